@@ -214,6 +214,9 @@ class GradientSync:
         # set by a check that found some rank's step broken (`_broken`, carried over TP), on every
         # rank of the cluster alike: the optimizer then abandons the step (`abandon`)
         self.broken_refusal = False
+        # the line of a step() refused without being broken (a disagreement, a NaN norm), whose
+        # gradients stay for a retry: model.zero_grad() then does not discard them (`KEPT_NOT_DROPPED`)
+        self.kept_line: str | None = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch; with `set_to_none=False`
@@ -338,7 +341,9 @@ class GradientSync:
             # left in `.grad`, unwritten, and recorded for the step's check (`_local_problem`), which
             # reports it on every rank together; a raise here, inside backward on one rank (its loop
             # dropped a batch), would leave the peers waiting in the step's collectives
-            self._record(DROPPED_MID_STEP.format(name=name))
+            self._record(DROPPED_MID_STEP.format(name=name) if self.kept_line is None else
+                         KEPT_NOT_DROPPED.format(error=self.kept_line, what="set to None (model.zero_grad(), or "
+                                                 f".grad = None; {name!r} first) with a backward since"))
             return
         if p.grad is guard and name not in self._states and name in self._zeroed and self._taken_as_zero(name):
             return  # a zeroed gradient taken to the reduction as zero, reached since: recorded, not taken
@@ -594,6 +599,9 @@ class GradientSync:
                     "and call zero_grad() before the next backward")
         if state is GradState.REDUCING and not in_backward and what.split(".")[0] in ("zero_", "fill_"):
             # model.zero_grad(set_to_none=False) within a step: a batch being dropped
+            if self.kept_line is not None:
+                return KEPT_NOT_DROPPED.format(error=self.kept_line, what=f"zeroed in place ({what} of {name!r}: "
+                                               "model.zero_grad(set_to_none=False))")
             return (f"the gradient of {name!r} is being reduced across ranks by the optimizer and cannot be zeroed "
                     f"in place ({what}: model.zero_grad(set_to_none=False) within a step?): discard a step's "
                     "gradients with optimizer.zero_grad(), which ends their reduction too")
@@ -1037,6 +1045,11 @@ DROPPED_MID_STEP = ("the gradient of {name!r} was set to None (model.zero_grad()
                     "step's gradients went to the reduction (a backward, clip_grad_norm_() or a refused step()), "
                     "and a backward wrote a new one: discard a step's gradients with optimizer.zero_grad(), which "
                     "ends their reduction too")
+# model.zero_grad() (either setting) after a step() refused without being broken (`kept_line`)
+KEPT_NOT_DROPPED = ("the last step() was refused ({error}) and its gradients were kept, reduced, for a step() "
+                    "called again once that is mended; they were then {what}, which does not discard them: "
+                    "drop a refused step's gradients with optimizer.zero_grad(), then run the backward again "
+                    "before step(); nothing was updated")
 # the same, where this step's backward ran but did not reach that parameter
 # the same after a step refused on every rank (`abandon`), which left its gradients as a step does
 REFUSED_AGAIN = ("step() was called again with no backward since the last step() was refused ({error}): the "

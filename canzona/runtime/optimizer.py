@@ -742,6 +742,11 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                 for grads in self._syncs():
                     with contextlib.suppress(CanzonaError):
                         grads.abandon(str(e))
+            else:
+                # kept for a retried step(): model.zero_grad() does not drop them, which its
+                # refusal then says (`KEPT_NOT_DROPPED`); optimizer.zero_grad() does
+                for grads in self._syncs():
+                    grads.kept_line = str(e)
             raise
 
     def _check_step(self, max_norm: float | None) -> StepCheck:

@@ -2229,6 +2229,65 @@ def test_after_a_step_refused_as_dropped_mid_step_a_backward_without_zero_grad_i
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_after_a_step_refused_and_kept_says_the_gradients_were_kept(one_rank, set_to_none):
+    """A step() refused without being broken (a NaN gradient norm, nonfinite='raise') keeps its
+    reduced gradients for a retry; model.zero_grad() (either setting) does not drop them: the next
+    step() says so (the refused line, optimizer.zero_grad()), nothing updated; then, that step
+    abandoned, model.zero_grad() and a backward train as a run of the sound steps alone, bit for
+    bit; optimizer.zero_grad() after such a refusal drops it at once. Before: 'was set to None after
+    this step's gradients went to the reduction' / 'cannot be zeroed in place', which told nothing
+    of the refused step."""
+    from canzona.errors import CanzonaError
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    def build():
+        model = _Branchy()
+        return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw")
+
+    def loss(model, k: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(k)
+        return torch.nn.functional.mse_loss(model(torch.randn(4, 16, generator=g), True), torch.randn(4, 8, generator=g))
+
+    def sound(model, opt, k: int) -> None:
+        opt.zero_grad()
+        loss(model, k).backward()
+        opt.step()
+
+    (model, opt), (reference, ropt) = build(), build()
+    sound(model, opt, 0)
+    opt.zero_grad()
+    (loss(model, 1) * math.nan).backward()
+    with pytest.raises(CanzonaError, match="global gradient norm is nan") as refused:
+        opt.step()
+    before = _params(model)
+    model.zero_grad(set_to_none=set_to_none)
+    loss(model, 2).backward()
+    with pytest.raises(CanzonaError) as kept:
+        opt.step()
+    assert str(kept.value).startswith(f"the last step() was refused ({refused.value}) and its gradients were kept"), kept
+    assert "optimizer.zero_grad()" in str(kept.value)
+    assert compare(_params(model), before)["bit_identical"]
+    model.zero_grad(set_to_none=set_to_none)
+    loss(model, 3).backward()
+    opt.step()
+    (loss(model, 4) * math.nan).backward()  # no zero_grad(): refused as STALE_GRADIENTS; then opt.zero_grad()
+    with pytest.raises(CanzonaError, match="onto the last step's"):
+        opt.step()
+    opt.zero_grad()
+    (loss(model, 5) * math.nan).backward()
+    with pytest.raises(CanzonaError, match="global gradient norm is nan"):
+        opt.step()
+    opt.zero_grad()
+    loss(model, 6).backward()
+    opt.step()
+    for k in (0, 3, 6):
+        sound(reference, ropt, k)
+    assert compare(_params(model), _params(reference))["bit_identical"]
+
+
 def test_a_no_sync_backward_after_the_synchronising_one_leaves_the_gradients_under_their_reduction(one_rank):
     """A synchronising backward, then a backward under no_sync() (accumulation in the wrong order),
     then another: the no_sync() one is recorded as a second synchronisation (not taken) and its
