@@ -31,7 +31,9 @@ waiting in the step's collectives until the timeout, so they are recorded instea
 gradient is not taken, the rank issues the same collectives as its peers, and the step's check
 fails on every rank together, naming the mistake, before anything is updated. That step is then
 abandoned on every rank (its gradients left `STEPPED`, as a step leaves them): `model.zero_grad()`
-or `optimizer.zero_grad()` and a backward go on as after a step.
+or `optimizer.zero_grad()` and a backward go on as after a step. After a step refused without being broken (its
+gradients kept for a retry), zeroing a `REDUCING` gradient is `model.zero_grad(set_to_none=False)`
+ending that step (`GuardOwner.ends_kept_step`), not refused.
 
 `model.zero_grad()` (set_to_none) replaces a guard by None, which the optimizer sees. Metadata
 (`.shape`, `.dtype`, `is not None`) works, and so do aliases (`.detach()`, `.data`): DTensor
@@ -106,6 +108,9 @@ class GuardOwner(Protocol):
 
     def dropped(self, name: str) -> None:
         """`name`'s gradient was zeroed by the user: drop it (its `.grad` becomes None)."""
+
+    def ends_kept_step(self) -> bool:
+        """Whether zeroing a gradient being reduced ends a step refused and kept for a retry."""
 
     def refusal(self, name: str, what: str, in_backward: bool) -> str:
         """The one-line error for using `name`'s guarded gradient with op `what`."""
@@ -186,6 +191,8 @@ class GradGuard(Tensor):
         if accumulation and state in (GradState.ACCUMULATING, GradState.ZEROED):
             owner.accumulate(guard._name, args[1])  # autograd's accumulation (under no_sync(), or onto zeros)
             return result
+        if func in _ZEROS and state is GradState.REDUCING and owner.ends_kept_step():
+            state = owner.guard_state(guard._name)  # after a step refused and kept: that step ended
         if func in _ZEROS and state is not GradState.REDUCING:
             # model.zero_grad(set_to_none=False) after a step, or between micro-batches: the
             # gradient is zero (`ZEROED`), as torch's is

@@ -215,8 +215,12 @@ class GradientSync:
         # rank of the cluster alike: the optimizer then abandons the step (`abandon`)
         self.broken_refusal = False
         # the line of a step() refused without being broken (a disagreement, a NaN norm), whose
-        # gradients stay for a retry: model.zero_grad() then does not discard them (`KEPT_NOT_DROPPED`)
+        # gradients stay for a retry: model.zero_grad() ends that step (`_end_kept`), unless it leaves
+        # some of them (a `.grad` set to None alone: `KEPT_NOT_DROPPED`)
         self.kept_line: str | None = None
+        # that step ended by model.zero_grad() on this rank (`_end_kept`): the next backward is taken
+        # locally, as under no_sync(), and reduced at the check once every rank ended it (`_agree_ended`)
+        self._deferred = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch; with `set_to_none=False`
@@ -253,6 +257,60 @@ class GradientSync:
         line = self._refused_line
         self.stepped()
         self._refused_line = line if line is not None and REFUSED_AGAIN.split("(")[0] in error else error
+
+    def ends_kept_step(self) -> bool:
+        """`zero_()` on a guard being reduced: after a step refused and kept (`kept_line`), it is
+        model.zero_grad(set_to_none=False) ending that step (`_end_kept`), and the zeroing goes on
+        as after a step; else it is refused (`refused`)."""
+        if self.kept_line is None:
+            return False
+        self._end_kept()
+        return True
+
+    def _all_dropped(self) -> bool:
+        """Every gradient this sync holds for the step (those with a state) was set to None or
+        written anew since (model.zero_grad())."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return all(self.params[n].grad is not self._guards[n] for n in self._states)
+
+    def _end_kept(self) -> None:
+        """model.zero_grad() (either setting) after a step refused and kept for a retry (a
+        disagreement, a NaN norm): that step's gradients are dropped, as optimizer.zero_grad()
+        drops them, so that the next backward and step() train as a run that skipped that batch.
+        Local bookkeeping, no collective: the next backward launches no reduction (its gradients
+        are taken locally, as under no_sync()) and the step's check first has every rank agree
+        that all ended it (`_agree_ended`), then reduces them, or fails on every rank."""
+        self._drain()
+        self._states.clear()
+        self.reset()
+        self._refused_line = None
+        self._deferred = True
+
+    def _agree_ended(self) -> None:
+        """The step's check after a step refused and kept: every rank says whether model.zero_grad()
+        ended it here (1), kept it (0, a retried step()), or holds none of its gradients (2: a part
+        no gradient reached, which follows the others), over DP, then TP; all ended: this step's
+        gradients (deferred) are reduced as usual; some only: one error on every rank, a broken step
+        (abandoned alike). Before any of this step's reductions on every rank alike."""
+        if not self._deferred and self._states and self._all_dropped():
+            self._end_kept()  # model.zero_grad() and no backward reaching this part since
+        word = 1 if self._deferred else 0 if self._states else 2
+        table = self.dp.all_gather_values(torch.tensor([word], dtype=torch.int64), "refused step ended")
+        seen = {int(w) for w in table} - {2}
+        if self.tp is not None:
+            row = torch.tensor([int(0 in seen), int(1 in seen)], dtype=torch.int64)
+            both = self.tp.all_gather_values(row, "tp refused step ended").amax(dim=0)
+            seen = {w for w in (0, 1) if int(both[w])}
+        if seen == {0, 1}:
+            self.broken_refusal = True
+            raise CanzonaError(
+                "model.zero_grad() after a step() refused and kept for a retry ran on some ranks and not on others"
+                f" (here: {'ran' if word == 1 else 'did not run' if word == 0 else 'no gradient held'}): call it "
+                "alike on every rank, or drop the refused step with optimizer.zero_grad() on every rank; nothing "
+                "was updated")
+        if seen == {1} and not self._deferred:
+            self._end_kept()  # a part holding none of the refused step's gradients follows the others
+        self._deferred = False
 
     def stepped(self) -> None:
         """The step consumed the gradients: the guards say so, so that a backward cannot add onto
@@ -335,6 +393,8 @@ class GradientSync:
             # (`accumulate`) or refused: the guard itself back in `.grad`, which keeps no graph
             p.grad = guard
         buckets = self.buckets_of[name]
+        if p.grad is not guard and self.kept_line is not None and self._all_dropped():
+            self._end_kept()  # model.zero_grad() after a step refused and kept: that step ends
         if p.grad is not guard and (self._reduced or any(self._launched[k] is not None for k in buckets)):
             # its guard was dropped after its gradient went to the reduction, whose buffers this
             # backward's gradient would overwrite under the collective or after the check read them:
@@ -364,8 +424,9 @@ class GradientSync:
             (self._graphed.add if grad.requires_grad else self._graphed.discard)(name)
         self._got_grad[self.index[name]] = 1
         self.backward += 1
-        self._states[name] = GradState.REDUCING if self._sync else GradState.ACCUMULATING
-        if not buckets or not self._sync:
+        sync = self._sync and not self._deferred  # deferred: reduced at the check (`_agree_ended`)
+        self._states[name] = GradState.REDUCING if sync else GradState.ACCUMULATING
+        if not buckets or not sync:
             return  # AdamW parameters are reduced in step(); under no_sync() nothing is reduced yet
         if any(self._launched[k] is not None for k in buckets):
             # a second synchronising backward (its accumulation into the guard was recorded and not
@@ -708,6 +769,8 @@ class GradientSync:
         A call after the check (`step()` after `clip_grad_norm_()`, a second clip) reuses it, and
         with `recheck` compares the hyper-parameters and threshold anew (`_recheck`); without, as
         the experts' part does, whose ranks the dense part's recheck covers, it costs nothing."""
+        if self.kept_line is not None or self._deferred:
+            self._agree_ended()
         if self.checked is not None:
             if recheck and self._recheck(hyper_parameters, max_norm, more_problem, loaded):
                 # loaded after the check (between clip_grad_norm_() and step()): compared before the update

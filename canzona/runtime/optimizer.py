@@ -743,8 +743,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                     with contextlib.suppress(CanzonaError):
                         grads.abandon(str(e))
             else:
-                # kept for a retried step(): model.zero_grad() does not drop them, which its
-                # refusal then says (`KEPT_NOT_DROPPED`); optimizer.zero_grad() does
+                # kept for a retried step(); model.zero_grad() (either setting) on every rank ends
+                # that step instead, as optimizer.zero_grad() does (`GradientSync._end_kept`)
                 for grads in self._syncs():
                     grads.kept_line = str(e)
             raise
