@@ -233,9 +233,15 @@ class GradientSync:
             self._zeroed = set() if set_to_none else {n for n, p in self.params.items() if p.grad is not None}
             for name, p in self.params.items():
                 p.grad = self._guards[name] if name in self._zeroed else None
+        kept = self.kept_line is not None
         self._states.clear()
         self.reset()
         self._refused_line = None
+        # after a step refused and kept, optimizer.zero_grad() ends it as model.zero_grad() does
+        # (`_end_kept`): the next backward is reduced at the check once every rank agrees that it
+        # ended (`_agree_ended`). Launched from backward instead, its reductions would meet a peer
+        # that ended it with model.zero_grad() in that agreement's collective (a hang)
+        self._deferred = kept
 
     def abandon(self, error: str) -> None:
         """A step some rank found broken was refused on every rank (`broken_refusal`): its gradients

@@ -161,7 +161,8 @@ def kept_refusal_job(rank: int, world: int, zero: str) -> dict:
     put back, then `zero` (model.zero_grad() on both ranks, either setting, or on rank 0 alone) and a
     backward of the next batch and step(): on both ranks, that step trains as a run that skipped the
     refused batch (`reference`, bit for bit), or, zeroed on rank 0 alone, is one error on both ranks,
-    nothing updated, and opt.zero_grad() and a sound step go on."""
+    nothing updated, and opt.zero_grad() and a sound step go on. "mixed": opt.zero_grad() on rank 0,
+    model.zero_grad() on rank 1: both end the refused step alike."""
     model = build_model(BASE)
     opt = _optimizer(model)
     batches = _batches(rank, world)
@@ -173,7 +174,9 @@ def kept_refusal_job(rank: int, world: int, zero: str) -> dict:
         opt.param_groups[0]["lr"] = 2 * lr
     out = {"refused": _outcome(opt.step)}
     opt.param_groups[0]["lr"] = lr
-    if zero != "rank 0" or rank == 0:
+    if zero == "mixed" and rank == 0:
+        opt.zero_grad()
+    elif zero != "rank 0" or rank == 0:
         model.zero_grad(set_to_none=zero != "model-false")
     before = _params(model)
     model.loss(batches[2]).backward()
@@ -1263,7 +1266,7 @@ JOBS = {
     "second optimizer": ("second_optimizer_job", ()),
     **{f"one rank {how}": ("one_rank_mistake_job", (how,)) for how in ONE_RANK_MISTAKES},
     "zeroed taken as zero": ("zeroed_taken_as_zero_job", ()),
-    **{f"kept refusal {z}": ("kept_refusal_job", (z,)) for z in ("model", "model-false", "rank 0")},
+    **{f"kept refusal {z}": ("kept_refusal_job", (z,)) for z in ("model", "model-false", "rank 0", "mixed")},
     # last: compiling clears dynamo's caches and recompiles, which the jobs above need not see
     "compiled fullgraph": ("compiled_job", (True,)),
     "compiled fullgraph no overlap": ("compiled_job", (False,)),
@@ -1322,8 +1325,10 @@ def test_model_zero_grad_after_a_refused_and_kept_step_drops_it_alike_on_every_r
     step(): trained as a run that skipped the refused batch, bit for bit. model.zero_grad() on rank
     0 alone: one error on both ranks naming it, nothing updated (no hang), and opt.zero_grad() goes
     on. Before: refused again on both ranks ('set to None after this step's gradients went to the
-    reduction' / 'cannot be zeroed in place')."""
-    for zero in ("model", "model-false"):
+    reduction' / 'cannot be zeroed in place'). opt.zero_grad() on one rank and model.zero_grad() on
+    the other end it alike (before the review's fix: the first launched its reductions in backward,
+    the second waited in the agreement's collective, a timeout on both)."""
+    for zero in ("model", "model-false", "mixed"):
         for rank, out in enumerate(runs[f"kept refusal {zero}"]):
             assert "param_groups[0]['lr']" in out["refused"]["message"], (zero, rank, out)
             assert out["next"]["error"] is None and out["reference"], (zero, rank, out)
