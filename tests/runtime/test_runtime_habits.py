@@ -504,6 +504,28 @@ class _Branchy(torch.nn.Module):
 BRANCH_USED = (True, False, False, True)  # per step: whether the branch runs
 
 
+def _branchy_adamw() -> tuple:
+    """A `_Branchy` model and a one-process AdamW DistributedOptimizer over it."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _Branchy()
+    return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw")
+
+
+def _branchy_loss(model, k: int) -> torch.Tensor:
+    """Batch `k`'s loss, the branch used."""
+    g = torch.Generator().manual_seed(k)
+    return torch.nn.functional.mse_loss(model(torch.randn(4, 16, generator=g), True), torch.randn(4, 8, generator=g))
+
+
+def _sound_step(model, opt, k: int) -> None:
+    opt.zero_grad()
+    _branchy_loss(model, k).backward()
+    opt.step()
+
+
 def _branchy_steps(model, opt, zero, rank: int, world: int) -> None:
     """Steps zeroing with `zero(model, opt)`; each rank's share of one global batch per step."""
     for step, use in enumerate(BRANCH_USED):
@@ -2199,26 +2221,9 @@ def test_after_a_step_refused_as_broken_a_zero_grad_and_a_backward_go_on_as_afte
     model.zero_grad() (either setting) every later step repeated STALE_GRADIENTS, whose line advises
     model.zero_grad()."""
     from canzona.errors import CanzonaError
-    from canzona.runtime import DistributedOptimizer
-    from canzona.runtime.modules import named_parameters
-    from canzona.spec import ModelSpec
-
-    def build():
-        model = _Branchy()
-        return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw")
-
-    def loss(model, k: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(k)
-        return torch.nn.functional.mse_loss(model(torch.randn(4, 16, generator=g), True), torch.randn(4, 8, generator=g))
-
-    def sound(model, opt, k: int) -> None:
-        opt.zero_grad()
-        loss(model, k).backward()
-        opt.step()
-
-    (model, opt), (reference, ropt) = build(), build()
-    sound(model, opt, 0)
-    loss(model, 1).backward()  # no zero_grad() since the step
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    _sound_step(model, opt, 0)
+    _branchy_loss(model, 1).backward()  # no zero_grad() since the step
     with pytest.raises(CanzonaError, match="^backward would accumulate the gradient of .* onto the last step's"):
         opt.step()
     with pytest.raises(CanzonaError) as again:
@@ -2226,10 +2231,10 @@ def test_after_a_step_refused_as_broken_a_zero_grad_and_a_backward_go_on_as_afte
     assert str(again.value).startswith("step() was called again with no backward since the last step() was "
                                        "refused (backward would accumulate the gradient of "), again.value
     RECOVERIES[recover](model, opt)
-    loss(model, 2).backward()
+    _branchy_loss(model, 2).backward()
     opt.step()
-    sound(reference, ropt, 0)
-    sound(reference, ropt, 2)
+    _sound_step(reference, ropt, 0)
+    _sound_step(reference, ropt, 2)
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
@@ -2241,29 +2246,12 @@ def test_after_a_step_refused_as_dropped_mid_step_a_backward_without_zero_grad_i
     plain tensors, so that backward added onto them and step() applied the sum silently; each
     step() again nested 'step() was called again ... (step() was called again ... (...))'."""
     from canzona.errors import CanzonaError
-    from canzona.runtime import DistributedOptimizer
-    from canzona.runtime.modules import named_parameters
-    from canzona.spec import ModelSpec
-
-    def build():
-        model = _Branchy()
-        return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw")
-
-    def loss(model, k: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(k)
-        return torch.nn.functional.mse_loss(model(torch.randn(4, 16, generator=g), True), torch.randn(4, 8, generator=g))
-
-    def sound(model, opt, k: int) -> None:
-        opt.zero_grad()
-        loss(model, k).backward()
-        opt.step()
-
-    (model, opt), (reference, ropt) = build(), build()
-    sound(model, opt, 0)
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    _sound_step(model, opt, 0)
     opt.zero_grad()
-    loss(model, 1).backward()
+    _branchy_loss(model, 1).backward()
     model.zero_grad()
-    loss(model, 2).backward()
+    _branchy_loss(model, 2).backward()
     with pytest.raises(CanzonaError, match="was set to None .* and a backward wrote a new one") as refused:
         opt.step()
     again = "step() was called again with no backward since the last step() was refused ("
@@ -2272,15 +2260,15 @@ def test_after_a_step_refused_as_dropped_mid_step_a_backward_without_zero_grad_i
             opt.step()
         assert str(e.value).startswith(again + str(refused.value) + "): "), e.value
     before = _params(model)
-    loss(model, 3).backward()  # no zero_grad() since the refused step
+    _branchy_loss(model, 3).backward()  # no zero_grad() since the refused step
     with pytest.raises(CanzonaError, match="^backward would accumulate the gradient of .* onto the last step's"):
         opt.step()
     assert compare(_params(model), before)["bit_identical"]
     model.zero_grad()
-    loss(model, 4).backward()
+    _branchy_loss(model, 4).backward()
     opt.step()
-    sound(reference, ropt, 0)
-    sound(reference, ropt, 4)
+    _sound_step(reference, ropt, 0)
+    _sound_step(reference, ropt, 4)
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
@@ -2292,35 +2280,18 @@ def test_model_zero_grad_after_a_step_refused_and_kept_drops_that_step(one_rank,
     batch, bit for bit. Before: refused again, 'was set to None after this step's gradients went to
     the reduction' / 'cannot be zeroed in place'."""
     from canzona.errors import CanzonaError
-    from canzona.runtime import DistributedOptimizer
-    from canzona.runtime.modules import named_parameters
-    from canzona.spec import ModelSpec
-
-    def build():
-        model = _Branchy()
-        return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw")
-
-    def loss(model, k: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(k)
-        return torch.nn.functional.mse_loss(model(torch.randn(4, 16, generator=g), True), torch.randn(4, 8, generator=g))
-
-    def sound(model, opt, k: int) -> None:
-        opt.zero_grad()
-        loss(model, k).backward()
-        opt.step()
-
-    (model, opt), (reference, ropt) = build(), build()
-    sound(model, opt, 0)
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    _sound_step(model, opt, 0)
     for k in (1, 3):
         model.zero_grad(set_to_none=set_to_none)
-        (loss(model, k) * math.nan).backward()
+        (_branchy_loss(model, k) * math.nan).backward()
         with pytest.raises(CanzonaError, match="global gradient norm is nan"):
             opt.step()
         model.zero_grad(set_to_none=set_to_none)
-        loss(model, k + 1).backward()
+        _branchy_loss(model, k + 1).backward()
         opt.step()
     for k in (0, 2, 4):
-        sound(reference, ropt, k)
+        _sound_step(reference, ropt, k)
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
