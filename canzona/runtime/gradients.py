@@ -233,15 +233,19 @@ class GradientSync:
             self._zeroed = set() if set_to_none else {n for n, p in self.params.items() if p.grad is not None}
             for name, p in self.params.items():
                 p.grad = self._guards[name] if name in self._zeroed else None
-        kept = self.kept_line is not None
-        self._states.clear()
-        self.reset()
-        self._refused_line = None
         # after a step refused and kept, optimizer.zero_grad() ends it as model.zero_grad() does
         # (`_end_kept`): the next backward is reduced at the check once every rank agrees that it
         # ended (`_agree_ended`). Launched from backward instead, its reductions would meet a peer
         # that ended it with model.zero_grad() in that agreement's collective (a hang)
-        self._deferred = kept
+        self._forget(deferred=self.kept_line is not None)
+
+    def _forget(self, deferred: bool) -> None:
+        """This step's gradients dropped (`zero_grad`, `_end_kept`): no states, no progress, no
+        refused step; `deferred`: the next backward is reduced at the check (`_agree_ended`)."""
+        self._states.clear()
+        self.reset()
+        self._refused_line = None
+        self._deferred = deferred
 
     def abandon(self, error: str) -> None:
         """A step some rank found broken was refused on every rank (`broken_refusal`): its gradients
@@ -287,10 +291,7 @@ class GradientSync:
         are taken locally, as under no_sync()) and the step's check first has every rank agree
         that all ended it (`_agree_ended`), then reduces them, or fails on every rank."""
         self._drain()
-        self._states.clear()
-        self.reset()
-        self._refused_line = None
-        self._deferred = True
+        self._forget(deferred=True)
 
     def _agree_ended(self) -> None:
         """The step's check after a step refused and kept: every rank says whether model.zero_grad()
