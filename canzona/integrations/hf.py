@@ -51,8 +51,8 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   canzona (no manifest) still loads; saving over one is refused with a `CheckpointError` before
   the step's model files are written (`canzona.integrations.optimizer_state`).
   `resume_from_checkpoint=True` resumes from the latest whole `checkpoint-<step>` (optimizer
-  folder with its manifest, `scheduler.pt`, `trainer_state.json`), skipping those of saves killed
-  midway, which transformers would pick (and fail on, or restart at step 0 from), with one warning
+  folder with its manifest, `scheduler.pt`, `trainer_state.json`; those and the `rng_state*.pth`
+  readable: `damaged_file`), skipping those of saves killed midway or damaged, which transformers would pick (and fail on, or restart at step 0 from), with one warning
   naming the folder taken and those skipped; a named folder
   that is not whole is one `CheckpointError` before anything is loaded.
 
@@ -104,7 +104,7 @@ from canzona.integrations.optimizer_state import (
     written_whole,
 )
 from canzona.optimizers import check_matrix_optimizer
-from canzona.runtime.checkpoint_files import MANIFEST, Ranks
+from canzona.runtime.checkpoint_files import MANIFEST, Ranks, first_line
 from canzona.runtime.optimizer import DistributedOptimizer
 from canzona.runtime.shards import local_tensor
 from canzona.spec import ModelSpec
@@ -124,6 +124,7 @@ OPTIMIZER_DIR = "canzona_optimizer"  # in each checkpoint-<step>/: the sharded o
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
 TORCH_OPTIMIZER_FILE = "optimizer.pt"  # what transformers' own Trainer saves a torch optimizer's state as
 TRAINER_STATE_FILE = "trainer_state.json"  # the Trainer's own name for it, written last
+RNG_STATE_FILE = re.compile(r"^rng_state(_\d+)?\.pth$")  # the Trainer's RNG states (one per rank, or one)
 STEP_DIR = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # as transformers' get_last_checkpoint
 # TrainingArguments.optim values naming torch's AdamW arithmetic (fused, or a device's kernel of it):
 # the optimizer CanzonaTrainer builds steps the non-matrix parameters with it
@@ -279,6 +280,34 @@ def checkpoint_problem(folder: str) -> str | None:
             json.load(f)
     except (OSError, ValueError) as e:
         return f"an unreadable {TRAINER_STATE_FILE} ({type(e).__name__})"
+    return damaged_file(folder)
+
+
+def read_resumed(folder: str, name: str) -> Any:
+    """`name` of checkpoint `folder`, one of the files the resume reads after the optimizer state
+    (`scheduler.pt`, an `rng_state*.pth`), read as the Trainer reads it (`torch.load`, weights only;
+    the RNG states with numpy's types allowed). One `CheckpointError` naming the file where it
+    cannot be read (a damaged file)."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    try:
+        with safe_globals() if RNG_STATE_FILE.match(name) else contextlib.nullcontext():
+            return torch.load(os.path.join(folder, name), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever torch raises for a damaged file: named in one line
+        raise CheckpointError(f"{name} cannot be read ({type(e).__name__}: {first_line(e)}): a damaged file") \
+            from None
+
+
+def damaged_file(folder: str) -> Named | None:
+    """Why the first of the files the resume reads after the optimizer state (`read_resumed`) that
+    cannot be read is refused, or None. Read before anything of the checkpoint is loaded: else
+    torch's own error (a traceback) came at the Trainer's load, with the model's weights and the
+    optimizer state loaded already."""
+    for name in [SCHEDULER_FILE, *sorted(n for n in os.listdir(folder) if RNG_STATE_FILE.match(n))]:
+        try:
+            read_resumed(folder, name)
+        except CheckpointError as e:
+            return Named(str(e))
     return None
 
 
@@ -626,5 +655,9 @@ class CanzonaTrainer(Trainer):
         for path, what in ((state, f"{OPTIMIZER_DIR}/"), (scheduler, SCHEDULER_FILE)):
             if not os.path.exists(path):
                 raise CanzonaError(f"{checkpoint} holds no {what}: resume from a checkpoint that CanzonaTrainer saved")
+        # read before the optimizer state is loaded (`train` checked it on rank 0 already): a file
+        # this rank cannot read is one error on every rank, nothing loaded
+        read: dict[str, Any] = {}
+        Ranks().together(lambda: read.__setitem__("state", read_resumed(checkpoint, SCHEDULER_FILE)))
         load_optimizer(self.distributed_optimizer(), state)
-        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        self.lr_scheduler.load_state_dict(read["state"])

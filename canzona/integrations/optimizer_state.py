@@ -93,8 +93,9 @@ def outside_level(depth: int = 1) -> int:
 
 
 class Named(str):
-    """A reason `latest_whole` is given for skipping a folder that names what wrote it (a
-    `save_only_model` save, another framework's): not a save killed midway, said of the others."""
+    """A reason `latest_whole` is given for skipping a folder that is no save killed midway (said of
+    the others): one naming what wrote it (a `save_only_model` save, another framework's), or a
+    damaged file in a save that finished."""
 
 
 def latest_whole(parent: str, numbered: Iterable[tuple[int, str]], problem: Callable[[str], str | None], *,

@@ -1475,8 +1475,9 @@ def test_resuming_from_the_latest_whole_checkpoint_says_which_it_skipped(tmp_pat
     for step in (1, 2):
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
-        for name in ("model.safetensors", "scheduler.pt", "trainer_state.json"):
+        for name in ("model.safetensors", "trainer_state.json"):
             (folder / name).write_text("{}")
+        torch.save({}, folder / "scheduler.pt")  # (read before a resume: a real one)
         save_optimizer(opt, str(folder / "canzona_optimizer"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1502,6 +1503,66 @@ def test_resuming_from_the_latest_whole_checkpoint_says_which_it_skipped(tmp_pat
         assert latest_state(str(tmp_path / "acc"), 1) == str(tmp_path / "acc" / "checkpoint_0")
     (told,) = [w for w in caught if "skipping" in str(w.message)]
     assert told.filename == __file__, (told.filename, told.lineno)
+
+
+def test_a_damaged_scheduler_or_rng_file_is_refused_before_anything_is_loaded(tmp_path, one_rank):
+    """A whole checkpoint-<step> but for a damaged `scheduler.pt` (or `rng_state*.pth`, which the
+    Trainer reads at the first epoch). Before: torch's own error, a traceback, from the Trainer's
+    load, after the model's weights and the optimizer state were loaded. Now `train` reads them
+    before anything is loaded: one CheckpointError line naming the file (a named folder), or the
+    folder skipped with the reason (`resume_from_checkpoint=True`); the optimizer's own load reads
+    the scheduler's file before its state too."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from canzona.errors import CheckpointError
+    from canzona.integrations.hf import check_whole, latest_checkpoint
+    from canzona.integrations.optimizer_state import save_optimizer
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), use_cpu=True, report_to=[], learning_rate=3e-3)
+    trainer = CanzonaTrainer(model=model, args=args, matrix_config={"lr": 0.02}, train_dataset=[{}])
+    opt = trainer.create_optimizer()
+    scheduler = trainer.create_scheduler(10, opt)
+    for step in (1, 2):
+        folder = tmp_path / "run" / f"checkpoint-{step}"
+        folder.mkdir(parents=True)
+        (folder / "trainer_state.json").write_text("{}")
+        torch.save(scheduler.state_dict(), folder / "scheduler.pt")
+        torch.save({"cpu": torch.random.get_rng_state()}, folder / "rng_state.pth")
+        save_optimizer(opt, str(folder / "canzona_optimizer"))
+    latest = tmp_path / "run" / "checkpoint-2"
+    check_whole(str(latest))  # whole
+    data = (latest / "scheduler.pt").read_bytes()
+    (latest / "scheduler.pt").write_bytes(data[: len(data) // 2])  # damaged: half of it
+    want = r"^scheduler\.pt cannot be read \(\w+: [^\n]*\): a damaged file$"
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(latest))} is not a whole CanzonaTrainer "
+                                              r"checkpoint \(scheduler\.pt cannot be read \(") as e:
+        check_whole(str(latest))
+    assert "\n" not in str(e.value) and "killed" not in str(e.value), str(e.value)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match="scheduler.pt cannot be read"):
+        trainer.train(resume_from_checkpoint=str(latest))
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))  # nothing loaded
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_checkpoint(str(tmp_path / "run")) == str(tmp_path / "run" / "checkpoint-1")
+    (told,) = [w for w in caught if "skipping" in str(w.message)]
+    assert "checkpoint-2 (scheduler.pt cannot be read (" in str(told.message), str(told.message)
+    assert "killed" not in str(told.message), str(told.message)
+    # the optimizer's own load: the scheduler's file read before the optimizer state
+    loaded = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("canzona.integrations.hf.load_optimizer", lambda *a: loaded.append(a))
+        with pytest.raises(CheckpointError, match=want):
+            trainer._load_optimizer_and_scheduler(str(latest))
+    assert loaded == []
+    # an RNG state file likewise
+    (latest / "scheduler.pt").write_bytes(data)
+    (latest / "rng_state.pth").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match=r"\(rng_state\.pth cannot be read \(\w+: .*\): a damaged file\)"):
+        check_whole(str(latest))
 
 
 def test_resuming_from_save_only_model_checkpoints_says_so():
