@@ -68,15 +68,18 @@ For a model whose parameters a canzona optimizer holds:
   `CanzonaError` on every rank before anything is loaded. A save without these records (an older
   canzona's) takes folders of one fingerprint in order and its scheduler files by position: where
   the optimizers take their folders in another order than they were prepared in, a scheduler over
-  one of them is one `CanzonaError` before anything is loaded; schedulers prepared in another order
-  than at the save while the optimizers keep theirs (a plain one and a canzona one swapped) are not
-  detected, and each takes its position's file. Objects given to
+  one of them is one `CanzonaError` before anything is loaded, as are fewer scheduler files than
+  schedulers, a file holding another scheduler class's state or another group count's (a plain
+  scheduler and a canzona one swapped, say) and another count of registered objects than the
+  save's (`check_older_save`); what such a save cannot tell (schedulers of one class and group
+  count swapped, files left unread, what each registered object was) is one warning, and each
+  takes its position's file. Objects given to
   `accelerator.register_for_checkpointing` (a scheduler too) are accelerate's own
   `custom_checkpoint_<i>.pkl`, loaded by registration order: the manifest records what each was
   (its type; a scheduler's optimizer, a canzona one by its folder, another by its type and group
   count: `registered_object`), and objects registered in another order or not the save's are one
   `CanzonaError` before anything is loaded (not told apart: two schedulers of one type over plain
-  optimizers of one type and group count; a save of an older canzona is not checked). Call both on every rank, as
+  optimizers of one type and group count; a save of an older canzona is checked as said above). Call both on every rank, as
   accelerate asks.
   `load_state()` under automatic checkpoint naming takes the latest folder whose optimizer folders
   are in (a `save_state` killed midway left its own without them; one warning names those
@@ -119,7 +122,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import SCHEDULER_NAME, DistributedType
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -427,6 +430,89 @@ def scheduler_order(wraps: list[int | None], folders: list[int],
             "scheduler_<k>.bin into its k-th scheduler, so a scheduler would take another's schedule: prepare the "
             "schedulers of the save, each over its own optimizer")
     return sorted(target, key=target.__getitem__)
+
+
+def scheduler_file(k: int) -> str:
+    """accelerate's name of the k-th scheduler's file (`scheduler.bin`, then `scheduler_<k>.bin`)."""
+    return f"{SCHEDULER_NAME}.bin" if k == 0 else f"{SCHEDULER_NAME}_{k}.bin"
+
+
+def state_shape(state: Any) -> tuple | None:
+    """What a scheduler's state dict says of the scheduler (an older save's file against a prepared
+    one's `state_dict()`): its public keys (the class's own fields: LambdaLR, StepLR and
+    ReduceLROnPlateau each have others; torch's private ones come and go between versions), each
+    with the length of its list (one per param group) where it is one. None: not a mapping."""
+    if not isinstance(state, Mapping):
+        return None
+    return tuple(sorted((str(k), len(v) if isinstance(v, (list, tuple)) else None)
+                        for k, v in state.items() if not str(k).startswith("_")))
+
+
+def _shape_text(shape: tuple | None) -> str:
+    if shape is None:
+        return "unreadable"
+    lists = {n for k, n in shape if n is not None}
+    return f"keys {', '.join(k for k, _ in shape)}" + (f"; {lists.pop()} group(s)" if len(lists) == 1 else "")
+
+
+def check_older_save(where: str, schedulers: list[Any], registered: int, schedulers_recorded: bool,
+                     registered_recorded: bool) -> str | None:
+    """A save of an older canzona (its manifests record no scheduler of each optimizer, or no
+    registered objects): what can be checked of it, on rank 0, before anything is loaded.
+    accelerate loads `scheduler_<k>.bin` into its k-th prepared scheduler and `custom_checkpoint_<i>.pkl`
+    into its i-th registered object: fewer files than schedulers (or another count of objects than
+    the save registered) is one `CanzonaError`, as is a scheduler file whose state is another
+    scheduler's (`state_shape`: another class, or another group count). Returns the warning for
+    what could not be verified (None: nothing): schedulers whose files read alike (two of one
+    class and group count could be swapped), files left unread, objects registered (the save
+    records not what each was; the files are pickles, not opened before accelerate loads them)."""
+    unverified = []
+    if not schedulers_recorded and schedulers:
+        files = 0
+        while os.path.isfile(os.path.join(where, scheduler_file(files))):
+            files += 1
+        if files < len(schedulers):
+            raise CanzonaError(
+                f"load_state(): {len(schedulers)} learning-rate schedulers are prepared, and the save in {where} "
+                f"wrote {files} scheduler file(s): accelerate loads scheduler_<k>.bin into its k-th scheduler; "
+                "prepare the schedulers of the save, in the order of the save")
+        shapes = []
+        for k, sched in enumerate(schedulers):
+            try:
+                saved = state_shape(torch.load(os.path.join(where, scheduler_file(k)), weights_only=True))
+            except Exception:  # noqa: BLE001 - a state torch will not read weights-only: not checked here
+                saved = None
+            now = state_shape(sched.state_dict())
+            if saved is not None and now is not None and saved != now:
+                raise CanzonaError(
+                    f"load_state(): {scheduler_file(k)} of the save in {where} holds another scheduler's state "
+                    f"({_shape_text(saved)}) than the {type(getattr(sched, 'scheduler', sched)).__name__} prepared "
+                    f"as scheduler {k} ({_shape_text(now)}), and accelerate loads scheduler_<k>.bin "
+                    "into its k-th scheduler: prepare the schedulers of the save, in the order of the save")
+            shapes.append(saved if saved is not None and now is not None else ("unread", k))
+        alike = len(set(shapes)) < len(shapes) or any(s[0] == "unread" for s in shapes)
+        if alike:
+            unverified.append("which scheduler file each scheduler takes (schedulers of one class and group count "
+                              "read alike)")
+        if files > len(schedulers):
+            unverified.append(f"that the {files - len(schedulers)} scheduler file(s) left unread are none of "
+                              "these schedulers'")
+    if not registered_recorded:
+        # (counted as accelerate counts them, which refuses another count only after loading the rest)
+        saved_objects = sum(1 for n in os.listdir(where) if re.search(r"^custom_checkpoint_\d+\.pkl$", n))
+        if saved_objects != registered:
+            raise CanzonaError(
+                f"load_state(): {registered} object(s) are given to accelerator.register_for_checkpointing, and the "
+                f"save in {where} wrote {saved_objects} custom_checkpoint_<i>.pkl: accelerate loads them into the "
+                "registered objects by order; register the objects of the save, in the order of the save")
+        if registered:
+            unverified.append(f"that the {registered} object(s) registered for checkpointing are the save's, in its "
+                              "order")
+    if not unverified:
+        return None
+    return (f"load_state(): {where} was saved by an older canzona, which recorded no scheduler or registered object "
+            f"of each optimizer: could not verify {'; nor '.join(unverified)}. Each takes its position's file, as "
+            "accelerate loads them; save again to record them")
 
 
 POLYNOMIAL_LR_END = 1e-7  # transformers' default lr_end: every polynomial schedule carries one
@@ -900,6 +986,12 @@ class CanzonaAccelerator(Accelerator):
             Ranks().together(lambda: self._check_registered(saved[0]["registered"], found["folders"], opts))
             if order is None:
                 self._check_schedulers_follow(found["folders"], opts)
+            if order is None or saved[0]["registered"] is None:  # an older canzona's save: what can be checked
+                told = Ranks().together(lambda: check_older_save(
+                    found["dir"], list(self._schedulers), len(getattr(self, "_custom_objects", [])),
+                    order is not None, saved[0]["registered"] is not None), rank0_only=True)[0]
+                if told is not None and self.is_main_process:
+                    warnings.warn(told, stacklevel=outside_level())
             elif order != sorted(order):
                 found["schedulers"] = list(self._schedulers)
                 self._schedulers[:] = [found["schedulers"][j] for j in order]  # the list accelerate loads

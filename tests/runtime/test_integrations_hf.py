@@ -1769,6 +1769,105 @@ def test_schedulers_registered_for_checkpointing_in_another_order_are_one_error(
     assert mine.last_epoch == 3 and [g["lr"] for g in opt.param_groups] == want
 
 
+OLDER_SAVE_KEYS = ("prepared_model", "schedulers", "optimizer_folders", "scheduler_files", "registered_objects")
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_an_older_save_is_checked_where_it_can_be_and_warned_of_where_not(tmp_path, one_rank):
+    """A save of an older canzona (its manifest without the scheduler and registration records,
+    synthesised by stripping them from a fresh save). Before: not checked at all, the scheduler
+    files taken by position (a plain scheduler and a canzona one prepared swapped took each
+    other's state, silently) and the registered objects not counted. Now what the save carries is
+    checked before anything is loaded: fewer scheduler files than schedulers, a file whose state is
+    another class's or group count's, another count of registered objects: one `CanzonaError`;
+    what it cannot tell (schedulers that read alike, files left unread, what each registered object
+    was) is one warning; a load it can verify wholly warns of nothing."""
+    import json
+    import warnings
+
+    from torch.optim.lr_scheduler import LambdaLR, StepLR
+
+    from canzona.integrations.accelerate import CanzonaAccelerator
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    def build() -> tuple:
+        torch.manual_seed(0)
+        model, other = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)), nn.Linear(2, 2)
+        opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02},
+                                   {"lr": 3e-3})
+        sgd = torch.optim.SGD(other.parameters(), lr=0.5)
+        accelerator = CanzonaAccelerator(cpu=True)
+        return accelerator, model, opt, sgd
+
+    accelerator, model, opt, sgd = build()
+    plain, mine = StepLR(sgd, 2), LambdaLR(opt, lambda s: 0.5 ** s)
+    model, opt, plain, mine = accelerator.prepare(model, opt, plain, mine)
+    accelerator.register_for_checkpointing(plain)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        plain.step()
+        mine.step()
+        opt.zero_grad()
+    accelerator.save_state(str(tmp_path / "state"))
+    manifest = tmp_path / "state" / "canzona_optimizer_0" / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    assert set(OLDER_SAVE_KEYS) <= set(raw["info"])
+    raw["info"] = {k: v for k, v in raw["info"].items() if k not in OLDER_SAVE_KEYS}
+    manifest.write_text(json.dumps(raw))
+    want = [g["lr"] for g in opt.param_groups]
+
+    def load(order: str, register: int = 1) -> dict:
+        accelerator, model, opt, sgd = build()
+        plain, mine = StepLR(sgd, 2), LambdaLR(opt, lambda s: 0.5 ** s)
+        scheds = {"plain mine": (plain, mine), "mine plain": (mine, plain), "plain": (plain,),
+                  "plain plain": (plain, LambdaLR(sgd, lambda s: 1.0))}[order]
+        accelerator.prepare(model, opt, *scheds)
+        for obj in (plain, mine)[:register]:
+            accelerator.register_for_checkpointing(obj)
+        got = {"mine": mine, "plain": plain, "opt": opt, "weights": [p.detach().clone() for p in model.parameters()],
+               "model": model}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                accelerator.load_state(str(tmp_path / "state"))
+            except CanzonaError as e:
+                got["error"] = str(e)
+        got["told"] = [w for w in caught if "older canzona" in str(w.message)]
+        return got
+
+    def refused(got: dict, start: str) -> str:
+        assert got.get("error", "").startswith(start) and "\n" not in got["error"], got.get("error")
+        assert got["mine"].last_epoch == 0 and got["plain"].last_epoch == 0  # nothing loaded
+        assert all(torch.equal(p, w) for p, w in zip(got["model"].parameters(), got["weights"]))
+        return got["error"]
+
+    # swapped: scheduler.bin is the StepLR's (before: each took the other's state, silently)
+    error = refused(load("mine plain"), "load_state(): scheduler.bin of the save in ")
+    assert "holds another scheduler's state (keys base_lrs, gamma, last_epoch, step_size; 1 group(s)) than the " \
+           "LambdaLR prepared as scheduler 0 (keys base_lrs, last_epoch, lr_lambdas; " in error, error
+    # a scheduler of another group count in the canzona one's place
+    refused(load("plain plain"), "load_state(): scheduler_1.bin of the save in ")
+    refused(load("plain mine", register=0), "load_state(): 0 object(s) are given to accelerator.register_for_checkpointing")
+    # the save's schedulers and object: loaded; what could not be verified is said once
+    got = load("plain mine")
+    assert "error" not in got and got["mine"].last_epoch == 3 and [g["lr"] for g in got["opt"].param_groups] == want
+    (told,) = got["told"]
+    assert told.filename == __file__, told.filename
+    assert "could not verify that the 1 object(s) registered for checkpointing are the save's" in str(told.message)
+    assert "scheduler" not in str(told.message).split("could not verify")[1].split("registered")[0]
+    got = load("plain", register=1)  # the canzona scheduler's file left unread
+    assert "error" not in got and got["plain"].last_epoch == 3
+    (told,) = got["told"]
+    assert "that the 1 scheduler file(s) left unread are none of these schedulers'" in str(told.message), told.message
+    # nothing unverifiable: no warning (a save without registered objects, one scheduler of its own)
+    for name in ("scheduler_1.bin", "custom_checkpoint_0.pkl"):
+        (tmp_path / "state" / name).unlink()
+    got = load("plain", register=0)
+    assert "error" not in got and got["told"] == [] and got["plain"].last_epoch == 3
+
+
 def test_fewer_or_more_objects_registered_for_checkpointing_than_saved_is_a_count_error():
     """`register_for_checkpointing` given fewer (or more) objects at the load than at the save. Before
     (review): the error said "each would take another's state", which is the words for another
