@@ -100,7 +100,8 @@ For a model whose parameters a canzona optimizer holds:
   no `LRScheduler`, which accelerate passes through, and is warned of all the same): one warning
   naming where each kind of group stops (a `min_lr` at or above the AdamW rate: never reduced) and
   the per-group `min_lr=[...]` lists (both take one) measured against either rate
-  (`bound_warning`). Their `eps`, absolute too, stops a reduction only below about
+  (`bound_warning`; a `min_lr` at or below `eps / (1 - factor)`, which cannot bind, is not told
+  of: `floor_cannot_bind`). Their `eps`, absolute too, stops a reduction only below about
   `eps / (1 - factor)` (1.1e-8 at torch's defaults: far under an AdamW rate of 3e-4) and is named
   only where a group starts there.
 
@@ -570,10 +571,24 @@ def _uniform_bound(scheduler: Any, key: str) -> float | None:
     return float(one) if one else None
 
 
+def floor_cannot_bind(scheduler: Any, floor: float) -> bool:
+    """Whether a plateau scheduler's absolute floor (`min_lr`) is negligible: at or below
+    `eps / (1 - factor)`. Both schedulers apply a reduction only where it changes a rate by more
+    than `eps`, so a group stops being reduced at about that rate floor or none (1.1e-8 at
+    ReduceLROnPlateau's defaults, 2e-7 at GreedyLR's); a floor under it changes where a group stops
+    only below about that rate plus `eps`, where the training has stopped anyway (`min_lr=1e-8`
+    beside rates of 3e-4 and 0.02), so it cannot bind in practice. Every floor can where `eps` is 0."""
+    eps, factor = getattr(scheduler, "eps", None), getattr(scheduler, "factor", None)
+    if not eps or factor is None or not 0 <= factor < 1:
+        return False
+    return floor <= eps / (1 - factor)
+
+
 def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
     """What `prepare` warns of for a plateau scheduler built by the user (torch's ReduceLROnPlateau,
     transformers' GreedyLR) that bounds every group by one absolute rate (`min_lr`, its default too;
-    GreedyLR's `max_lr`, its default 1.0 only where not above every rate) over a canzona optimizer
+    GreedyLR's `max_lr`, its default 1.0 only where not above every rate; a `min_lr` that cannot bind,
+    `floor_cannot_bind`, not told of) over a canzona optimizer
     whose rates differ (groups at 0 left out: `_kind_rates`): the rate each kind of
     group stops at, and the per-group lists (which both take) that bound every group at one ratio
     of its own rate. Its `eps` (the smallest change applied, absolute too) stops a reduction only at
@@ -584,6 +599,9 @@ def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
         return None
     name = type(scheduler).__name__
     low, high = _uniform_bound(scheduler, "min_lrs"), _uniform_bound(scheduler, "max_lrs")
+    negligible = low is not None and floor_cannot_bind(scheduler, low)
+    if negligible:
+        low = None  # no floor of the user's that binds: nothing to tell of it
     base = getattr(scheduler, "_init_lrs", None)
     if not isinstance(base, list) or len(base) != len(opt.param_groups):
         base = [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
@@ -604,7 +622,8 @@ def bound_warning(scheduler: Any, opt: DistributedOptimizer) -> str | None:
 
     def stops(kind: list[float], verb: str, theirs: str) -> str:
         if low is None:
-            return f"(rate {', '.join(f'{r:g}' for r in kind)}) keep the floors given per group"
+            kept = "reach no floor that binds" if negligible else "keep the floors given per group"
+            return f"(rate {', '.join(f'{r:g}' for r in kind)}) {kept}"
         parts = [(f"(rate {r:g}) {never}" if low >= r else f"(rate {r:g}) {verb}{low:g} ({low / r:.3g} of {theirs})")
                  for r in kind]
         return ", ".join(parts)

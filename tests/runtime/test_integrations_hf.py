@@ -1266,8 +1266,9 @@ def test_a_plateau_schedules_one_absolute_bound_on_the_accelerate_path_is_warned
     assert "the AdamW groups (rate 0.0003) are never reduced (min_lr is not below their rate)" in message, message
     (message,), _ = told(lambda o: GreedyLR(o, patience=0))  # its defaults: min_lr 1e-3, max_lr 1.0 (not told of:
     assert "GreedyLR" in message and "min_lr 0.001" in message and "max_lr" not in message, message  # above every rate)
-    # a group starting where eps stops every reduction: said
-    (message,), _ = told(lambda o: ReduceLROnPlateau(o, min_lr=1e-10, eps=5e-4))
+    # a group starting where eps stops every reduction: said (beside a floor that can bind: above
+    # eps / (1 - factor), 5.6e-4; a lower one is negligible and not told of, eps with it)
+    (message,), _ = told(lambda o: ReduceLROnPlateau(o, min_lr=1e-3, eps=5e-4))
     assert "eps 0.0005" in message and "AdamW groups at 0.0003 never reduced" in message, message
     # nothing to tell: per-group bounds, no floor, equal rates; and not off the main process
     assert told(lambda o: ReduceLROnPlateau(o, min_lr=[1e-4 * g["lr"] / 3e-4 for g in o.param_groups]))[0] == []
@@ -1324,6 +1325,33 @@ def test_a_bound_beside_a_frozen_rate_of_0_is_told_of_the_other_groups(tmp_path,
         args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
         CanzonaTrainer(model=model, args=args, optimizers=(opt, ReduceLROnPlateau(opt, min_lr=1e-5)))
     assert [str(w.message) for w in caught if "bound" in str(w.message)] == []
+
+
+def test_a_negligible_plateau_floor_is_not_told_of():
+    """A plateau scheduler's one absolute `min_lr` far under every rate (`ReduceLROnPlateau(opt,
+    min_lr=1e-8)` beside rates of 0.02 and 3e-4). Before: warned of like any floor ("the matrix
+    groups stop at 1e-08 (5e-07 of their rate)"), though it cannot bind: a reduction that changes a
+    rate by no more than eps is not applied, so the groups stop at about eps / (1 - factor) floor or
+    none. Now a floor at or below that (`floor_cannot_bind`) is not told of; just above it, and with
+    eps 0, it is; GreedyLR's (its eps / (1 - factor): 2e-7) alike, and its max_lr still told of."""
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
+    from transformers.optimization import GreedyLR
+
+    from canzona.integrations.accelerate import floor_warning
+
+    sgd, opt = _kinds([("matrix", 0.02), ("adamw", 3e-4)])
+    assert floor_warning(ReduceLROnPlateau(sgd, min_lr=1e-8), opt) is None  # under 1e-8 / 0.9
+    assert floor_warning(ReduceLROnPlateau(sgd, min_lr=1e-8 / 0.9), opt) is None
+    assert floor_warning(ReduceLROnPlateau(sgd, min_lr=1e-8, factor=0.5), opt) is None  # under 2e-8
+    for can_bind in (ReduceLROnPlateau(sgd, min_lr=1.2e-8), ReduceLROnPlateau(sgd, min_lr=1e-8, eps=0),
+                     ReduceLROnPlateau(sgd, min_lr=1e-8, factor=0.5, eps=1e-9)):
+        told = floor_warning(can_bind, opt)
+        assert told is not None and "the matrix groups (rate 0.02) stop at " in told, told
+    assert floor_warning(GreedyLR(sgd, min_lr=1.9e-7), opt) is None  # under its eps / (1 - factor)
+    assert "min_lr 3e-07" in floor_warning(GreedyLR(sgd, min_lr=3e-7), opt)
+    told = floor_warning(GreedyLR(sgd, min_lr=1e-8, max_lr=0.01), opt)  # the cap binds, the floor not
+    assert told is not None and "max_lr 0.01" in told and "min_lr" not in told.split(". To bound")[0], told
+    assert "the matrix groups (rate 0.02) reach no floor that binds" in told, told
 
 
 def test_a_cyclic_schedules_max_lr_is_no_plateau_bound():
