@@ -511,9 +511,12 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
                               "order")
     if not unverified:
         return None
-    return (f"load_state(): {where} was saved by an older canzona, which recorded no scheduler or registered object "
-            f"of each optimizer: could not verify {'; nor '.join(unverified)}. Each takes its position's file, as "
-            "accelerate loads them; save again to record them")
+    unrecorded = [what for what, recorded in (("which scheduler file is whose", schedulers_recorded),
+                                              ("what each registered object was", registered_recorded))
+                  if not recorded]
+    return (f"load_state(): {where} was saved by an older canzona, whose manifests do not record "
+            f"{' nor '.join(unrecorded)}: could not verify {'; nor '.join(unverified)}. Each takes its position's "
+            "file, as accelerate loads them; save again to record them")
 
 
 POLYNOMIAL_LR_END = 1e-7  # transformers' default lr_end: every polynomial schedule carries one
@@ -1003,15 +1006,15 @@ class CanzonaAccelerator(Accelerator):
             order = scheduler_order(self._scheduler_links(opts), found["folders"], [s["schedulers"] for s in saved],
                                     saved[0]["scheduler_files"])
             Ranks().together(lambda: self._check_registered(saved[0]["registered"], found["folders"], opts))
-            if order is None:
-                self._check_schedulers_follow(found["folders"], opts)
             if order is None or saved[0]["registered"] is None:  # an older canzona's save: what can be checked
+                if order is None:
+                    self._check_schedulers_follow(found["folders"], opts)
                 told = Ranks().together(lambda: check_older_save(
                     found["dir"], list(self._schedulers), len(getattr(self, "_custom_objects", [])),
                     order is not None, saved[0]["registered"] is not None), rank0_only=True)[0]
                 if told is not None and self.is_main_process:
                     warnings.warn(told, stacklevel=outside_level())
-            elif order != sorted(order):
+            if order is not None and order != sorted(order):
                 found["schedulers"] = list(self._schedulers)
                 self._schedulers[:] = [found["schedulers"][j] for j in order]  # the list accelerate loads
             for i, model in enumerate(models):

@@ -52,9 +52,10 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   the step's model files are written (`canzona.integrations.optimizer_state`).
   `resume_from_checkpoint=True` resumes from the latest whole `checkpoint-<step>` (optimizer
   folder with its manifest, `scheduler.pt`, `trainer_state.json`; those and the `rng_state*.pth`
-  readable: `damaged_file`), skipping those of saves killed midway or damaged, which transformers would pick (and fail on, or restart at step 0 from), with one warning
-  naming the folder taken and those skipped; a named folder
-  that is not whole is one `CheckpointError` before anything is loaded.
+  readable: `damaged_file`), skipping those of saves killed midway or damaged, which transformers
+  would pick (and fail on, or restart at step 0 from), with one warning naming the folder taken
+  and those skipped; a named folder that is not whole is one `CheckpointError` before anything is
+  loaded.
 
 It overrides five private Trainer methods (`_move_model_to_device`, `_save_checkpoint`,
 `_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`, `_get_learning_rate`) and calls `_get_output_dir`,

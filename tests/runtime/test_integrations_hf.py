@@ -1800,16 +1800,13 @@ def test_schedulers_registered_for_checkpointing_in_another_order_are_one_error(
 OLDER_SAVE_KEYS = ("prepared_model", "schedulers", "optimizer_folders", "scheduler_files", "registered_objects")
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
-def test_an_older_save_is_checked_where_it_can_be_and_warned_of_where_not(tmp_path, one_rank):
-    """A save of an older canzona (its manifest without the scheduler and registration records,
-    synthesised by stripping them from a fresh save). Before: not checked at all, the scheduler
-    files taken by position (a plain scheduler and a canzona one prepared swapped took each
-    other's state, silently) and the registered objects not counted. Now what the save carries is
-    checked before anything is loaded: fewer scheduler files than schedulers, a file whose state is
-    another class's or group count's, another count of registered objects: one `CanzonaError`;
-    what it cannot tell (schedulers that read alike, files left unread, what each registered object
-    was) is one warning; a load it can verify wholly warns of nothing."""
+def _older_save(tmp_path: Path) -> tuple[Callable[..., dict], list[float]]:
+    """A `save_state` of a canzona optimizer (its LambdaLR) and a plain SGD (its StepLR, registered
+    for checkpointing too) after 3 steps, as an older canzona wrote it: `state/` with the manifest's
+    scheduler and registration records stripped, `between/` with the registration record alone
+    stripped. Returns `load(order, register=1, folder="state")`, which builds them afresh, prepares
+    the schedulers `order` names, registers the first `register` of (plain, mine), loads, and gives
+    them with the error (if any) and the warnings of the older save; and the canzona rates saved."""
     import json
     import warnings
 
@@ -1819,51 +1816,63 @@ def test_an_older_save_is_checked_where_it_can_be_and_warned_of_where_not(tmp_pa
     from canzona.runtime import DistributedOptimizer
     from canzona.spec import ModelSpec
 
-    def build() -> tuple:
+    def build(order: str, register: int) -> dict:
         torch.manual_seed(0)
         model, other = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)), nn.Linear(2, 2)
         opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon", {"lr": 0.02},
                                    {"lr": 3e-3})
         sgd = torch.optim.SGD(other.parameters(), lr=0.5)
-        accelerator = CanzonaAccelerator(cpu=True)
-        return accelerator, model, opt, sgd
-
-    accelerator, model, opt, sgd = build()
-    plain, mine = StepLR(sgd, 2), LambdaLR(opt, lambda s: 0.5 ** s)
-    model, opt, plain, mine = accelerator.prepare(model, opt, plain, mine)
-    accelerator.register_for_checkpointing(plain)
-    for _ in range(3):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        plain.step()
-        mine.step()
-        opt.zero_grad()
-    accelerator.save_state(str(tmp_path / "state"))
-    manifest = tmp_path / "state" / "canzona_optimizer_0" / "manifest.json"
-    raw = json.loads(manifest.read_text())
-    assert set(OLDER_SAVE_KEYS) <= set(raw["info"])
-    raw["info"] = {k: v for k, v in raw["info"].items() if k not in OLDER_SAVE_KEYS}
-    manifest.write_text(json.dumps(raw))
-    want = [g["lr"] for g in opt.param_groups]
-
-    def load(order: str, register: int = 1) -> dict:
-        accelerator, model, opt, sgd = build()
         plain, mine = StepLR(sgd, 2), LambdaLR(opt, lambda s: 0.5 ** s)
         scheds = {"plain mine": (plain, mine), "mine plain": (mine, plain), "plain": (plain,),
                   "plain plain": (plain, LambdaLR(sgd, lambda s: 1.0))}[order]
+        accelerator = CanzonaAccelerator(cpu=True)
         accelerator.prepare(model, opt, *scheds)
         for obj in (plain, mine)[:register]:
             accelerator.register_for_checkpointing(obj)
-        got = {"mine": mine, "plain": plain, "opt": opt, "weights": [p.detach().clone() for p in model.parameters()],
-               "model": model}
+        return {"accelerator": accelerator, "model": model, "opt": opt, "plain": plain, "mine": mine,
+                "weights": [p.detach().clone() for p in model.parameters()]}
+
+    saved = build("plain mine", 1)
+    for _ in range(3):
+        saved["model"](torch.randn(4, 8)).sum().backward()
+        saved["opt"].step()
+        saved["plain"].step()
+        saved["mine"].step()
+        saved["opt"].zero_grad()
+    saved["accelerator"].save_state(str(tmp_path / "state"))
+    shutil.copytree(tmp_path / "state", tmp_path / "between")
+    for folder, keys in (("state", OLDER_SAVE_KEYS), ("between", ("registered_objects",))):
+        manifest = tmp_path / folder / "canzona_optimizer_0" / "manifest.json"
+        raw = json.loads(manifest.read_text())
+        assert set(OLDER_SAVE_KEYS) <= set(raw["info"])
+        raw["info"] = {k: v for k, v in raw["info"].items() if k not in keys}
+        manifest.write_text(json.dumps(raw))
+
+    def load(order: str, register: int = 1, folder: str = "state") -> dict:
+        got = build(order, register)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                accelerator.load_state(str(tmp_path / "state"))
+                got["accelerator"].load_state(str(tmp_path / folder))
             except CanzonaError as e:
                 got["error"] = str(e)
         got["told"] = [w for w in caught if "older canzona" in str(w.message)]
         return got
+
+    return load, [g["lr"] for g in saved["opt"].param_groups]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_an_older_save_is_refused_where_it_shows_another_setup(tmp_path, one_rank):
+    """A save of an older canzona (its manifest without the scheduler and registration records,
+    synthesised by stripping them from a fresh save: `_older_save`). Before: not checked at all,
+    the scheduler files taken by position: a plain scheduler and a canzona one prepared swapped
+    failed in torch's `load_state_dict` (a KeyError traceback) after the model was loaded, and
+    another count of registered objects was accelerate's multi-line RuntimeError after loading the
+    rest. Now what the save carries is checked before anything is loaded: a scheduler file whose
+    state is another class's or group count's, another count of registered objects (fewer scheduler
+    files than schedulers alike): one `CanzonaError` line."""
+    load, _ = _older_save(tmp_path)
 
     def refused(got: dict, start: str) -> str:
         assert got.get("error", "").startswith(start) and "\n" not in got["error"], got.get("error")
@@ -1871,27 +1880,41 @@ def test_an_older_save_is_checked_where_it_can_be_and_warned_of_where_not(tmp_pa
         assert all(torch.equal(p, w) for p, w in zip(got["model"].parameters(), got["weights"]))
         return got["error"]
 
-    # swapped: scheduler.bin is the StepLR's (before: each took the other's state, silently)
-    error = refused(load("mine plain"), "load_state(): scheduler.bin of the save in ")
+    error = refused(load("mine plain"), "load_state(): scheduler.bin of the save in ")  # swapped
     assert "holds another scheduler's state (keys base_lrs, gamma, last_epoch, step_size; 1 group(s)) than the " \
            "LambdaLR prepared as scheduler 0 (keys base_lrs, last_epoch, lr_lambdas; " in error, error
     # a scheduler of another group count in the canzona one's place
     refused(load("plain plain"), "load_state(): scheduler_1.bin of the save in ")
     refused(load("plain mine", register=0), "load_state(): 0 object(s) are given to accelerator.register_for_checkpointing")
-    # the save's schedulers and object: loaded; what could not be verified is said once
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`")
+def test_an_older_save_is_warned_of_where_it_cannot_be_verified(tmp_path, one_rank):
+    """The older save of `_older_save` loaded with the schedulers and object of the save: loaded,
+    and one warning (at the user's line) of what it could not verify: the object registered (the
+    save records not what it was), scheduler files left unread; the schedulers, each of its own
+    class and group count, are verified and not named. A save with the scheduler records but not
+    the registration record still gives each scheduler its own file (prepared swapped). A load it
+    can verify wholly warns of nothing."""
+    load, want = _older_save(tmp_path)
     got = load("plain mine")
     assert "error" not in got and got["mine"].last_epoch == 3 and [g["lr"] for g in got["opt"].param_groups] == want
     (told,) = got["told"]
     assert told.filename == __file__, told.filename
-    assert "could not verify that the 1 object(s) registered for checkpointing are the save's" in str(told.message)
-    assert "scheduler" not in str(told.message).split("could not verify")[1].split("registered")[0]
-    got = load("plain", register=1)  # the canzona scheduler's file left unread
+    message = str(told.message)
+    assert "could not verify that the 1 object(s) registered for checkpointing are the save's" in message, message
+    assert "scheduler" not in message.split("could not verify")[1].split("registered")[0], message
+    got = load("mine plain", folder="between")
+    assert "error" not in got and got["mine"].last_epoch == 3 and got["plain"].last_epoch == 3
+    (told,) = got["told"]
+    assert "registered for checkpointing" in str(told.message) and "scheduler file" not in str(told.message)
+    (Path(tmp_path) / "state" / "custom_checkpoint_0.pkl").unlink()
+    got = load("plain", register=0)  # the canzona scheduler's file left unread
     assert "error" not in got and got["plain"].last_epoch == 3
     (told,) = got["told"]
     assert "that the 1 scheduler file(s) left unread are none of these schedulers'" in str(told.message), told.message
-    # nothing unverifiable: no warning (a save without registered objects, one scheduler of its own)
-    for name in ("scheduler_1.bin", "custom_checkpoint_0.pkl"):
-        (tmp_path / "state" / name).unlink()
+    assert "registered" not in str(told.message).split("could not verify")[1], told.message
+    (Path(tmp_path) / "state" / "scheduler_1.bin").unlink()  # nothing unverifiable: no warning
     got = load("plain", register=0)
     assert "error" not in got and got["told"] == [] and got["plain"].last_epoch == 3
 
