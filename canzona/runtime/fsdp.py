@@ -92,6 +92,7 @@ from canzona.runtime.groups import (
     check_groups_now,
     check_members,
     defaults_of,
+    group_betas,
     group_lr,
     group_matrices,
     group_members,
@@ -1062,7 +1063,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             target = update_target(self.master.get(n), local)
             grad = self._grad(n)
             adamw_step_(target.view(-1), grad.reshape(-1), self.adamw_state.setdefault(n, {}), self.group_config(g),
-                        group_lr(self.param_groups[g]))
+                        group_lr(self.param_groups[g]), group_betas(self.param_groups[g]))
             if target is not local:
                 local.copy_(target)
 

@@ -355,10 +355,20 @@ def groups_apart(every: Sequence[Any], member: str = "rank") -> str:
 def group_lr(group: Mapping[str, Any]) -> Any:
     """`group['lr']` as the kernels take it: a number, or a one-element tensor as torch's optimizers
     take one; a NumPy scalar (a schedule computed with NumPy) as the Python number it holds."""
-    lr = group["lr"]
-    if isinstance(lr, Tensor) and lr.dim() > 0 and lr.numel() == 1:
-        return lr.reshape(())  # a `[1]` rate, as torch's `_to_scalar` takes it: `add_(alpha=)` takes 0-d only
-    return lr.item() if _is_numpy_scalar(lr) else lr
+    return _kernel_scalar(group["lr"])
+
+
+def group_betas(group: Mapping[str, Any]) -> tuple[Any, Any]:
+    """An AdamW group's `betas` as `adamw_step_` takes them: each a number, or a one-element tensor
+    (0-d), which torch.optim.AdamW computes its bias corrections with in the tensor's dtype."""
+    beta1, beta2 = group["betas"]
+    return _kernel_scalar(beta1), _kernel_scalar(beta2)
+
+
+def _kernel_scalar(v: Any) -> Any:
+    if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == 1:
+        return v.reshape(())  # a `[1]` value, as torch's `_to_scalar` takes it: `add_(alpha=)` takes 0-d only
+    return v.item() if _is_numpy_scalar(v) else v
 
 
 def _is_numpy_scalar(v: Any) -> bool:

@@ -470,19 +470,24 @@ def adamw_initial_state(grad: Tensor, cfg: AdamWConfig) -> State:
     return adamw_state(grad)
 
 
-def adamw_step_(param: Tensor, grad: Tensor, state: State, cfg: AdamWConfig, lr: float) -> None:
-    """torch.optim.AdamW's single-tensor step, in the same operation order."""
+def adamw_step_(param: Tensor, grad: Tensor, state: State, cfg: AdamWConfig, lr: float,
+                betas: tuple[Any, Any] | None = None) -> None:
+    """torch.optim.AdamW's single-tensor step, in the same operation order. `betas`: the group's
+    as given (`groups.group_betas`; None: `cfg.betas`): a 0-d tensor beta computes as torch's step
+    computes with it (beta1 in the state's dtype for the lerp, the bias corrections in its dtype)."""
     if "step" not in state:
         state.update(adamw_state(param))
-    beta1, beta2 = cfg.betas
+    beta1, beta2 = cfg.betas if betas is None else betas
     state["step"] += 1
     step = state["step"]
     param.mul_(1 - lr * cfg.weight_decay)
-    state["exp_avg"].lerp_(grad, 1 - beta1)
+    exp_avg = state["exp_avg"]
+    lerp_beta1 = beta1.to(device=exp_avg.device, dtype=exp_avg.dtype) if isinstance(beta1, Tensor) else beta1
+    exp_avg.lerp_(grad, 1 - lerp_beta1)
     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr / (1 - beta1**step)
     denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(cfg.eps)
-    param.addcdiv_(state["exp_avg"], denom, value=-step_size)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 def matrix_kernel(optimizer: str) -> Callable[..., Update | None]:

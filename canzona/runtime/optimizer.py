@@ -81,6 +81,7 @@ from canzona.runtime.groups import (
     check_groups_now,
     check_members,
     defaults_of,
+    group_betas,
     group_lr,
     group_matrices,
     group_members,
@@ -1101,7 +1102,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                 data = piece.buffer.data[piece.start:piece.end]
                 target = self._master_for(name, data)
                 adamw_step_(target, piece.buffer.reduced[piece.start:piece.end], state, self.group_config(g),
-                            group_lr(group))
+                            group_lr(group), group_betas(group))
                 if self.master_weights:
                     data.copy_(target)
 

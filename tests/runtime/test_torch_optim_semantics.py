@@ -86,6 +86,62 @@ def test_a_momentum_key_on_adamw_groups_without_muon_is_ignored_as_torch_ignores
     assert _same(mine, theirs)
 
 
+
+def _tensor_betas() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(0.9), torch.tensor(0.999)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("how", ["group", "edit"])
+def test_tensor_betas_step_bit_for_bit_as_torch_adamw(one_rank, optimizer, how):
+    """`betas` as one-element tensors (torch.optim.AdamW takes them; its step then computes the bias
+    corrections in the tensors' dtype) in a param group or set by hand: canzona's AdamW steps bit for
+    bit as torch's (CPU: its single-tensor path). Before: the betas were read as Python numbers and
+    the bias corrections computed in float64, about 6e-7 off after two steps."""
+    mine, theirs = TinyQwen3("tiny", seed=0), TinyQwen3("tiny", seed=0)
+    if how == "group":
+        opt = DistributedOptimizer([{"params": list(mine.named_parameters()), "betas": _tensor_betas()}],
+                                   mine.spec(), optimizer, overlap_param_gather=False)
+    else:
+        opt = DistributedOptimizer(mine.named_parameters(), mine.spec(), optimizer, overlap_param_gather=False)
+        for g in opt.param_groups:
+            if g["kind"] == "adamw":
+                g["betas"] = _tensor_betas()
+    matrices = {p.name for p in mine.spec().matrix_params()} if optimizer == "muon" else set()
+    named = list(theirs.named_parameters())
+    torch_opts = [torch.optim.AdamW([p for n, p in named if n not in matrices], betas=_tensor_betas())]
+    if matrices:
+        torch_opts.insert(0, torch.optim.Muon([p for n, p in named if n in matrices]))
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    for _ in range(3):
+        _step(mine, [opt], tokens)
+        _step(theirs, torch_opts, tokens)
+        assert _same(mine, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("betas_dtype", [torch.float32, torch.float64])
+def test_the_adamw_kernel_with_tensor_betas_is_torch_adamws_step(dtype, betas_dtype):
+    """`adamw_step_` given tensor betas (the group's, `group_betas`: what both layouts pass) is
+    torch.optim.AdamW's single-tensor step with them, bit for bit, over several steps, for
+    parameters in each float dtype (torch casts beta1 to the parameter's dtype for the lerp)."""
+    from canzona.optimizers import AdamWConfig
+    from canzona.runtime.kernels import adamw_step_
+
+    betas = (torch.tensor(0.9, dtype=betas_dtype), torch.tensor(0.999, dtype=betas_dtype))
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(257, generator=gen).to(dtype)
+    mine, theirs = start.clone(), torch.nn.Parameter(start.clone())
+    ref = torch.optim.AdamW([theirs], lr=0.01, betas=betas, weight_decay=0.1, foreach=False)
+    cfg, state = AdamWConfig(lr=0.01, weight_decay=0.1), {}
+    for _ in range(4):
+        grad = torch.randn(257, generator=gen).to(dtype)
+        theirs.grad = grad.clone()
+        ref.step()
+        adamw_step_(mine, grad, state, cfg, 0.01, betas=betas)
+        assert torch.equal(mine, theirs.detach())
+
+
 STEPS = 4
 EDITED_BETAS = (0.8, 0.99)
 
