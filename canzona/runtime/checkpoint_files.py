@@ -468,8 +468,13 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     """Collective (over `process_group`, the default group when None): a reader of `folder`, checked
     against its manifest first when it has one (`verify_checkpoint`, the ranks sharing the hashing:
     a damaged file or one from another save of the same size is one `CheckpointError` on every
-    rank, nothing read). A folder without a manifest (a plain `dcp.save`, an older canzona's) is
-    read as it is: the reader still runs no code, and the sizes in its metadata are checked.
+    rank, nothing read). A folder without a manifest (a plain `dcp.save`, an older canzona's) has
+    its `.metadata` read and checked against the files on every rank here (`_check_plain`: none,
+    an entry outside the files present, a shard cut short or missing: one `CheckpointError` on
+    every rank, nothing read); the reader still runs no code. Not caught there: a save killed over
+    an older one that left whole new shards beside old ones (sizes alike), or a flipped bit
+    (`save_checkpoint` folders are checked by sha256). Give it to `dcp.load(state_dict,
+    storage_reader=...)` for a plain folder of `opt.state_dict()` or `get_optimizer_state_dict`'s.
     `timeout_s` and `call` (`Ranks`) bound the ranks' first meeting, which they all reach at once;
     the hashing, as long as the checkpoint is large, waits within the process group's timeout.
     `comms` (an optimizer's own groups, `OwnRanks`): collective over the ranks they reach alone,
@@ -483,8 +488,22 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     # rank 0 decides for all: ranks that saw the folder differently would not meet in the hashing
     manifested = first.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
     if not manifested:
-        return SafeFileSystemReader(folder)
+        reader = SafeFileSystemReader(folder)
+        first.together(lambda: _check_plain(reader))  # every rank its own read: one error on all
+        return reader
     return SafeFileSystemReader(folder, _verify_together(ranks, Path(folder), expect))
+
+
+def _check_plain(reader: SafeFileSystemReader) -> None:
+    """A folder without a manifest (a plain `dcp.save`), before `dcp.load` reads anything of it:
+    its `.metadata` there (DCP writes it last: none, a save killed or still writing), read safely,
+    and every entry inside the files present (a shard cut short or missing: one line here, where
+    `dcp.load` raises its CheckpointException of tracebacks)."""
+    folder = Path(reader.path)
+    if folder.is_dir() and not (folder / METADATA).exists():  # no folder at all: `read_metadata` says so
+        raise CheckpointError(f"{reader.path}: no {METADATA}, not loaded: not a finished DCP checkpoint "
+                              "(a save killed or still writing), or no checkpoint")
+    reader.read_metadata()
 
 
 def is_complete(folder: str | os.PathLike) -> bool:

@@ -431,3 +431,93 @@ def test_a_peer_that_never_comes_is_one_checkpoint_error(one_rank, tmp_path, mon
     text = str(refused.value)
     assert "Timed out waiting 20000ms" in text and "save_checkpoint() is collective: call it on every rank" in text and "\n" not in text
     assert not (tmp_path / "step_1").exists() and latest_checkpoint(tmp_path) is None  # no checkpoint appeared
+
+
+# --- a plain `dcp.save` folder of the optimizer's state, damaged ---------------------------------
+
+PLAIN_DAMAGE = ["no .metadata", "a truncated shard", "a shard cut by 10 bytes", "a shard missing",
+                "a save killed before its .metadata", "a save killed over an older one"]
+
+
+def _stepped_optimizer(steps: int):
+    from canzona.harness.training import TrainSpec, build_model
+    from canzona.runtime import DistributedOptimizer
+
+    spec = TrainSpec(steps=steps, global_batch=2)
+    model = build_model(spec)
+    opt = DistributedOptimizer(list(model.named_parameters()), model.spec())
+    tokens = torch.randint(0, 256, (max(steps, 1), 2, 9), generator=torch.Generator().manual_seed(0))
+    for step in range(steps):
+        opt.zero_grad()
+        model.loss(tokens[step]).backward()
+        opt.step()
+    return opt
+
+
+@pytest.fixture(scope="module")
+def plain_saves(tmp_path_factory):
+    """`dcp.save({"optim": opt.state_dict()})` after 2 steps and after 1 (no manifest; two files per
+    rank, `thread_count=2`), and the momentum saved in the first: made once, in a one-rank group
+    of its own."""
+    root = tmp_path_factory.mktemp("plain")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        saves = {}
+        for steps in (2, 1):
+            opt = _stepped_optimizer(steps)
+            saves[steps] = opt.state_dict()
+            dcp.save({"optim": saves[steps]}, storage_writer=dcp.FileSystemWriter(root / f"step_{steps}", thread_count=2))
+    finally:
+        dist.destroy_process_group()
+    return root / "step_2", root / "step_1", saves[2]["state"][0]["momentum_buffer"]
+
+
+def test_a_whole_plain_dcp_folder_loads_through_the_verified_reader(one_rank, plain_saves):
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    good, _, momentum = plain_saves
+    assert len(list(good.glob("*.distcp"))) == 2
+    template = {"optim": _stepped_optimizer(0).state_dict()}
+    dcp.load(template, storage_reader=verified_reader(good))
+    opt = _stepped_optimizer(0)
+    opt.load_state_dict(template["optim"])
+    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], momentum)
+
+
+@pytest.mark.parametrize("case", PLAIN_DAMAGE)
+def test_a_damaged_plain_dcp_folder_is_one_line_before_anything_loads(case, one_rank, plain_saves, tmp_path):
+    """A plain `dcp.save` folder of `opt.state_dict()`, damaged: `verified_reader(folder)`, the reader
+    the docs give `dcp.load` for such a folder, reads and checks its metadata against the files on
+    every rank first: one `CheckpointError` line, before dcp.load reads anything, the optimizer
+    untouched. Before: the reader was returned unchecked, and dcp.load raised DCP's
+    CheckpointException (a BaseException, past every `except Exception`, its message the ranks'
+    tracebacks)."""
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    good, older, _ = plain_saves
+    folder = tmp_path / "damaged"
+    shutil.copytree(older if case == "a save killed over an older one" else good, folder)
+    first = folder / sorted(good.glob("*.distcp"))[0].name
+    if case == "a save killed over an older one":  # the older save's .metadata, a new file cut short
+        shutil.copy(good / first.name, first)
+    if case in ("no .metadata", "a save killed before its .metadata"):
+        (folder / ".metadata").unlink()
+    if case in ("a truncated shard", "a save killed before its .metadata", "a save killed over an older one"):
+        first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])
+    elif case == "a shard cut by 10 bytes":
+        first.write_bytes(first.read_bytes()[:-10])
+    elif case == "a shard missing":
+        first.unlink()
+
+    opt = _stepped_optimizer(1)
+    before = opt.state_dict()
+    with pytest.raises(CheckpointError) as refused:
+        template = {"optim": opt.state_dict()}
+        dcp.load(template, storage_reader=verified_reader(folder))
+        opt.load_state_dict(template["optim"])
+    text = str(refused.value)
+    assert "\n" not in text and str(folder) in text, text
+    expect = "no .metadata, not loaded" if ".metadata" in case else "lies outside" if "missing" not in case \
+        else "not a file of this checkpoint"
+    assert expect in text, text
+    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
