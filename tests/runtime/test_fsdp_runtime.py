@@ -214,7 +214,7 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
               regroup: int | None = None, regroup_rank: int | None = None, unreduced: int | None = None,
               unsynced_after_clip: int | None = None, nan_weight: int | None = None,
               replace: int | None = None, replace_how: str = "attr", kept: str | None = None,
-              discarded: int | None = None, offload: bool = False) -> dict:
+              discarded: int | None = None, offload: bool = False, tensor_betas: bool = False) -> dict:
     """`steps` steps of Small under fully_shard; at step `poison` rank 1 puts a NaN in its shard of
     b.weight's gradient, at step `drop` rank 1 drops b.weight's gradient. Returns the full parameters,
     the global gradients of the steps taken, the norms, the error (and how long it took) if one was raised.
@@ -289,6 +289,9 @@ def small_run(rank: int, world: int, steps: int, *, clip: float | None = None, n
     backup = torch.nn.ModuleList([model.a]) if replace_how == "backup" else None  # noqa: F841
     opt = DistributedOptimizer(model.named_parameters(), mspec, optimizer, OPTIMIZER_CONFIGS[optimizer],
                                timeout_s=timeout_s, nonfinite=nonfinite, max_grad_norm=max_grad_norm)
+    if tensor_betas:  # one-element tensors, as torch.optim.AdamW takes them
+        for g in opt.param_groups:
+            g["betas"] = TENSOR_BETAS()
     hooks = {n: len(p._post_accumulate_grad_hooks or {}) for n, p in model.named_parameters()}
     unstepped = DistributedOptimizer(model.named_parameters(), mspec, "muon", MUON) if beside else None  # noqa: F841
     amp = None if scaler is None else torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
@@ -463,6 +466,10 @@ def held_bytes(opt) -> dict[str, int]:
             "adamw_state": sum(nbytes(v for v in s.values() if hasattr(v, "numel")) for s in opt.adamw_state.values())}
 
 
+def TENSOR_BETAS() -> tuple[torch.Tensor, torch.Tensor]:  # noqa: N802 - a constant, made anew
+    return torch.tensor(0.9), torch.tensor(0.999)
+
+
 def small_spec():
     from canzona.spec import ModelSpec
 
@@ -565,6 +572,8 @@ SMALL_CASES = {
     "adamw-clip": {"steps": 3, "clip": 0.05, "optimizer": "adamw"},
     "adamw-skip": {"steps": 3, "nonfinite": "skip", "poison": 1, "optimizer": "adamw"},
     "adamw-scaler-unscale": {"steps": 3, "clip": 0.05, "scaler": "unscale", "optimizer": "adamw"},
+    # AdamW's betas as one-element tensors (the group's, set by hand), against torch's AdamW with them
+    "adamw-tensor-betas": {"steps": 3, "optimizer": "adamw", "tensor_betas": True},
     # what AdamW's step refuses (it has no owners to plan or matrices to configure), and what it takes
     "adamw-options": {"optimizer": "adamw", "refuse": {
         "policy": "canzona", "matrix_config": {"lr": 0.1}, "bucket_size": 4096, "alpha": 0.5}},
@@ -899,6 +908,24 @@ def _same_everywhere(results: list[dict]) -> None:
     for r in results[1:]:
         for a, b in zip(results[0]["grads"], r["grads"]):
             assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_fsdp_adamw_with_tensor_betas_steps_bit_for_bit_as_torch_adamw() -> None:
+    """AdamW's `betas` as one-element tensors in the groups (torch.optim.AdamW computes its bias
+    corrections with them in their dtype): every rank's parameters are torch's AdamW's with them,
+    fed the global gradients, bit for bit. Before: FsdpOptimizer stepped with the betas as Python
+    numbers, off in the last bits."""
+    results = _small()["adamw-tensor-betas"]
+    assert all(r["error"] is None for r in results) and len(results[0]["grads"]) == 3
+    model = Small()
+    ref = torch.optim.AdamW(model.parameters(), betas=TENSOR_BETAS())
+    for step_grads in results[0]["grads"]:
+        for n, p in model.named_parameters():
+            p.grad = step_grads[n].clone()
+        ref.step()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    for r in results:
+        assert compare(r["params"], want)["bit_identical"], compare(r["params"], want)
 
 
 @pytest.mark.parametrize("case", ["plain", "clip"])
