@@ -24,6 +24,10 @@ crafted one names. This module keeps DCP's format and adds:
   entry it describes lies inside the checkpoint's files, and loads the non-tensor entries as plain
   data only (tensors DCP already loads with `weights_only`): a checkpoint runs no code, even one
   whose manifest is consistent.
+- `verified_reader(folder)` (collective): the reader to give `dcp.load`: a `save_checkpoint` folder
+  verified against its manifest, a plain `dcp.save` folder's `.metadata` read and checked against
+  its files on every rank (none, a shard cut short or missing: one `CheckpointError` on every rank
+  before `dcp.load` reads anything).
 - `latest_checkpoint(directory)`: the `step_K` folder with the largest K among the complete ones.
 
 What remains trusted: the contents. A consistent checkpoint made by someone else can hold any
