@@ -21,13 +21,16 @@ saying what to use instead. A guard has one of four states, kept by the optimize
   as torch leaves it; the next backward's accumulation is routed into the buffer, replacing what
   it held, and a step that no backward reached steps a zero gradient, as torch's optimizers do.
 
-`zero_()` (what `model.zero_grad(set_to_none=False)` calls) zeroes an accumulating or stepped
-gradient; a gradient being reduced cannot be zeroed.
+`zero_()` (what `model.zero_grad(set_to_none=False)` calls), `fill_(0)` and `torch._foreach_zero_`
+(torch.optim's `zero_grad(set_to_none=False)`) zero an accumulating or stepped gradient; a gradient
+being reduced cannot be zeroed.
 
 Three of these refusals may come on one rank alone, its loop having taken a branch its peers did
 not: a backward onto a `STEPPED` gradient (no `zero_grad()` since the step), a second backward onto a
 `REDUCING` one (no `no_sync()`), zeroing a `REDUCING` one. A raise there would leave the peers
-waiting in the step's collectives until the timeout, so they are recorded instead (`refused`): the
+waiting in the step's collectives until the timeout, so they are recorded instead (`refused`), as
+is any other in-place write to a guard (scaling, `fill_`, a hook editing `.grad` in backward; a read
+has no values to go on with, and raises): the
 gradient is not taken, the rank issues the same collectives as its peers, and the step's check
 fails on every rank together, naming the mistake, before anything is updated. That step is then
 abandoned on every rank (its gradients left `STEPPED`, as a step leaves them): `model.zero_grad()`
@@ -73,6 +76,7 @@ _IN_PLACE_ADDS = frozenset({aten.add_.Tensor})
 # autograd's accumulation under `backward(create_graph=True)`: `.grad + g`, out of place, its sum the new `.grad`
 _OUT_OF_PLACE_ADDS = frozenset({aten.add.Tensor})
 _ZEROS = frozenset({aten.zero_.default})
+_FOREACH_ZEROS = aten._foreach_zero_.default
 # torch.amp.GradScaler's unscale (and its inf check before `scaler.step`): one foreach op over the
 # `.grad` of every parameter, which the optimizer runs on the reduced gradients instead
 _AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
@@ -177,6 +181,16 @@ class GradGuard(Tensor):
                 raise CanzonaError(AMP_BESIDE_OTHERS)  # alike on every rank, before any collective
             owner.amp_unscale(guard._name, args[1], args[2])
             return None
+        what = func.__name__
+        if func is aten.fill_.Scalar and args[0] is guard and args[1] == 0:
+            func, what = aten.zero_.default, "fill_(0)"  # zeroing, as zero_() is
+        if func is _FOREACH_ZEROS:  # torch.optim's zero_grad(set_to_none=False): each gradient zeroed
+            for g in args[0]:
+                _zero(g, what) if isinstance(g, GradGuard) else g.zero_()
+            return None
+        if func in _ZEROS:
+            _zero(guard, what)
+            return guard
         state = owner.guard_state(guard._name)
         adds = func in _IN_PLACE_ADDS or func in _OUT_OF_PLACE_ADDS
         accumulation = adds and args[0] is guard and kwargs.get("alpha", 1) == 1 and not isinstance(args[1], GradGuard)
@@ -191,24 +205,39 @@ class GradGuard(Tensor):
         if accumulation and state in (GradState.ACCUMULATING, GradState.ZEROED):
             owner.accumulate(guard._name, args[1])  # autograd's accumulation (under no_sync(), or onto zeros)
             return result
-        if func in _ZEROS and state is GradState.REDUCING and owner.ends_kept_step():
-            state = owner.guard_state(guard._name)  # after a step refused and kept: that step ended
-        if func in _ZEROS and state is not GradState.REDUCING:
-            # model.zero_grad(set_to_none=False) after a step, or between micro-batches: the
-            # gradient is zero (`ZEROED`), as torch's is
-            owner.dropped(guard._name)
-            return guard
         in_backward = torch._C._current_graph_task_id() != -1
-        if (accumulation and in_backward and state in (GradState.STEPPED, GradState.REDUCING)) or \
-                (func in _ZEROS and not in_backward):
+        if accumulation and in_backward and state in (GradState.STEPPED, GradState.REDUCING):
             # a backward onto the last step's gradient (no zero_grad() since) or onto one being
-            # reduced (a second backward without no_sync()), or zeroing one being reduced: recorded
-            # for the step's check, which fails on every rank together, the gradient not taken.
-            # Raising here, inside backward or between backward and step() on one rank (its loop
-            # took a branch its peers did not), would leave its peers waiting in the collectives
-            owner.refused(guard._name, func.__name__, in_backward)
-            return result if accumulation else guard
-        raise CanzonaError(owner.refusal(guard._name, func.__name__, in_backward))
+            # reduced (a second backward without no_sync()): recorded for the step's check, which
+            # fails on every rank together, the gradient not taken. Raising here, inside backward
+            # on one rank (its loop took a branch its peers did not), would leave its peers waiting
+            # in the collectives
+            owner.refused(guard._name, what, in_backward)
+            return result
+        if func.overloadpacket.__name__.endswith("_") and any(isinstance(t, GradGuard) for t in tree_leaves(args[:1])):
+            # any other in-place write to the gradient (scaling it, `fill_`, torch's clip_grad_value_,
+            # a gradient hook editing `.grad` inside backward): not done, and recorded as above, so
+            # that a write on one rank alone is one error on every rank at the step, not a raise here
+            # that leaves the peers waiting. A read cannot go on without values: it raises
+            written = next(t for t in tree_leaves(args[:1]) if isinstance(t, GradGuard))
+            owner.refused(written._name, what, in_backward)
+            return args[0] if isinstance(args[0], Tensor) else None
+        raise CanzonaError(owner.refusal(guard._name, what, in_backward))
+
+
+def _zero(guard: GradGuard, what: str) -> None:
+    """`zero_()` (or `fill_(0)`, `_foreach_zero_`) on a guard: the gradient is zero (`ZEROED`), as
+    torch's is, after a step or between micro-batches (model.zero_grad(set_to_none=False), torch's
+    zero_grad(set_to_none=False)); zeroing one being reduced is recorded for the step's check, which
+    fails on every rank together (see `__torch_dispatch__`), unless it ends a step refused and kept."""
+    owner = _live_owner(guard)
+    state = owner.guard_state(guard._name)
+    if state is GradState.REDUCING and owner.ends_kept_step():
+        state = owner.guard_state(guard._name)  # after a step refused and kept: that step ended
+    if state is not GradState.REDUCING:
+        owner.dropped(guard._name)
+        return
+    owner.refused(guard._name, what, torch._C._current_graph_task_id() != -1)
 
 
 def _live_owner(guard: GradGuard) -> GuardOwner:

@@ -665,7 +665,8 @@ class GradientSync:
             return (f"after step() the gradient of {name!r} lives in the optimizer's buffers, reduced, and is not "
                     f"readable as .grad ({what}): read the global norm from opt.clip_grad_norm_() before step(), "
                     "and call zero_grad() before the next backward")
-        if state is GradState.REDUCING and not in_backward and what.split(".")[0] in ("zero_", "fill_"):
+        if state is GradState.REDUCING and not in_backward and what.split(".")[0] in ("zero_", "fill_(0)",
+                                                                                      "_foreach_zero_"):
             # model.zero_grad(set_to_none=False) within a step: a batch being dropped
             if self.kept_line is not None:
                 return KEPT_NOT_DROPPED.format(error=self.kept_line, what=f"zeroed in place ({what} of {name!r}: "

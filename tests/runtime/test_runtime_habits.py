@@ -104,6 +104,12 @@ ONE_RANK_MISTAKES = {
     "synced twice": "gradients were synchronised twice in one step: wrap the backward of accumulation micro-batches",
     # model.zero_grad(set_to_none=False) between backward and step()
     "zeroed in place": "cannot be zeroed in place (zero_.default: model.zero_grad(set_to_none=False) within a step?)",
+    # the same by `fill_(0)`, and by torch._foreach_zero_ (torch.optim's zero_grad(set_to_none=False))
+    "filled with zero": "cannot be zeroed in place (fill_(0): model.zero_grad(set_to_none=False) within a step?)",
+    "foreach zeroed": "cannot be zeroed in place (_foreach_zero_.default: model.zero_grad(set_to_none=False) within",
+    # a gradient scaled in place between backward and step()
+    "filled": "is being reduced across ranks by the optimizer: nothing may read or change .grad between backward and "
+              "step() (fill_.Scalar)",
 }
 
 
@@ -134,6 +140,10 @@ def one_rank_mistake_job(rank: int, world: int, how: str) -> dict:
             model.loss(batches[1]).backward()
         if mistaken and how == "zeroed in place":
             model.zero_grad(set_to_none=False)
+        if mistaken and how in ("filled with zero", "filled"):
+            next(model.parameters()).grad.fill_(0.0 if how == "filled with zero" else 1.0)
+        if mistaken and how == "foreach zeroed":
+            torch._foreach_zero_([p.grad for p in model.parameters()])
         opt.step()
 
     out = _outcome(step)
@@ -2211,6 +2221,67 @@ def test_model_zero_grad_within_a_step_then_a_backward_names_optimizer_zero_grad
     model.loss(tokens).backward()
     assert math.isfinite(float(opt.clip_grad_norm_(math.inf)))
     opt.step()
+
+
+def _foreach_zero(grads: list[torch.Tensor]) -> None:
+    if grads:  # none before the first backward
+        torch._foreach_zero_(grads)
+
+
+# zeroing `.grad` in place as torch.optim's zero_grad(set_to_none=False) does (`_foreach_zero_`) or by
+# `fill_(0)`: each gradient that is not None
+GRAD_ZEROINGS = {
+    "foreach_zero_": lambda m, o: _foreach_zero([p.grad for p in m.parameters() if p.grad is not None]),
+    "fill_(0)": lambda m, o: [p.grad.fill_(0) for p in m.parameters() if p.grad is not None],
+}
+
+
+@pytest.mark.parametrize("zero", list(GRAD_ZEROINGS))
+def test_zeroing_grad_with_foreach_zero_or_fill_zero_steps_as_torch(one_rank, zero):
+    """`torch._foreach_zero_` over the gradients (what torch's zero_grad(set_to_none=False) runs) or
+    `fill_(0)` on each, between steps, is zeroing as `zero_()` is: the unused branch's zero gradient is
+    stepped (momentum, weight decay) as torch's AdamW steps it, the trained weights as torch's. Before:
+    refused at the op ('after step() ... is not readable as .grad'), on that rank alone."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw",
+                               adamw_config={"weight_decay": 0.1})
+    reference = _Branchy()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    _branchy_steps(model, opt, GRAD_ZEROINGS[zero], 0, 1)
+    _branchy_steps(reference, torch_opt, GRAD_ZEROINGS[zero], 0, 1)
+    assert compare(_params(model), {n: p.detach() for n, p in reference.named_parameters()})["max_rel_diff"] < 1e-6
+    assert compare(_params(model), branchy_torch_reference("opt set_to_none=False"))["bit_identical"]
+
+
+@pytest.mark.parametrize("write", ["fill_(1)", "foreach_zero_", "clamp_"])
+def test_an_in_place_write_between_backward_and_step_is_refused_by_the_step_nothing_updated(one_rank, write):
+    """`fill_(1)`, `torch._foreach_zero_` or `clamp_` on a gradient being reduced: not done, recorded,
+    and refused by step()'s check (which every rank runs together), nothing updated; opt.zero_grad()
+    and a backward then go on. Before: raised at the op, on that rank alone (its peers then waited in
+    the step's collectives until the timeout)."""
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    _sound_step(model, opt, 0)
+    opt.zero_grad()
+    _branchy_loss(model, 1).backward()
+    {"fill_(1)": lambda: model.a.weight.grad.fill_(1.0),
+     "foreach_zero_": lambda: torch._foreach_zero_([p.grad for p in model.parameters()]),
+     "clamp_": lambda: model.a.weight.grad.clamp_(-1, 1)}[write]()
+    before = _params(model)
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    assert any(e.name == "_step" for e in refused.traceback), refused.traceback
+    said = str(refused.value)
+    assert "'a.weight'" in said and "\n" not in said, said
+    assert ("cannot be zeroed in place" if write == "foreach_zero_" else "nothing may read or change .grad") in said
+    assert compare(_params(model), before)["bit_identical"]
+    _sound_step(model, opt, 2)
+    _sound_step(reference, ropt, 0)
+    _sound_step(reference, ropt, 2)
+    assert compare(_params(model), _params(reference))["bit_identical"]
 
 
 @pytest.mark.parametrize("recover", list(RECOVERIES))

@@ -320,17 +320,28 @@ def test_param_groups_reordered_in_place_step_as_torch(one_rank):
     assert _same(mine, theirs)
 
 
-@pytest.mark.parametrize("hook", [lambda p: p.grad.mul_(0.5), lambda p: p.grad.norm()],
-                         ids=["scales-in-place", "reads-the-norm"])
+def _scale_in_place(p) -> None:
+    p.grad.mul_(0.5)
+
+
+def _read_the_norm(p) -> None:
+    p.grad.norm()
+
+
+@pytest.mark.parametrize("hook", [_scale_in_place, _read_the_norm], ids=["scales-in-place", "reads-the-norm"])
 def test_a_gradient_hook_registered_after_the_optimizer_is_named_not_taken_for_accumulation(one_rank, hook):
     """A `register_post_accumulate_grad_hook` registered after the optimizer runs after the
     optimizer's own, which took the gradient: one error naming the hook and the ways that work
-    (before: 'gradients were synchronised twice ... no_sync()', about accumulation the loop never did)."""
+    (before: 'gradients were synchronised twice ... no_sync()', about accumulation the loop never did).
+    An in-place edit is recorded and refused by step()'s check, which every rank runs together (a
+    raise inside backward on one rank would leave its peers waiting); a read raises in backward."""
     (model, opt), _ = _pair()
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(hook)
-    with pytest.raises(CanzonaError, match=r"register_post_accumulate_grad_hook.*before building the optimizer"):
+    with pytest.raises(CanzonaError, match=r"register_post_accumulate_grad_hook.*before building the optimizer") as e:
         model.loss(fixed_batch(256, 2, 16, seed=3)).backward()
+        opt.step()
+    assert any(f.name == "_step" for f in e.traceback) == (hook is _scale_in_place), e.traceback
 
 
 def test_a_gradient_hook_registered_before_the_optimizer_steps_as_torch(one_rank):
@@ -378,6 +389,7 @@ def test_a_gradient_hook_registered_before_the_optimizer_under_accumulation_is_n
             model.loss(fixed_batch(256, 2, 16, seed=3)).backward()
     with pytest.raises(CanzonaError) as raised:
         model.loss(fixed_batch(256, 2, 16, seed=4)).backward()
+        opt.step()  # the in-place edit refused by the step's check, on every rank together
     message = str(raised.value)
     assert "p.register_hook" in message and "accumulat" in message, message
     assert "register it before building the optimizer" not in message, message
