@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import sys
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -177,6 +178,10 @@ class GradientSync:
         # parameters whose gradient came with a graph (`backward(create_graph=True)`): a use of
         # `.grad` between backward and step() is refused naming it (`refusal`)
         self._graphed: set[str] = set()
+        # the backward (autograd's graph task id) in which each parameter's gradient last reached the
+        # optimizer's hook (`_arrive`): a use of its guard later in the same backward is a hook that
+        # runs after the optimizer's own (`refusal`)
+        self._arrived_in: dict[str, int] = {}
         self.reset()
         self._refused_line: str | None = None  # `abandon`'s
         self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
@@ -387,6 +392,7 @@ class GradientSync:
                 # on to the reduction, so that this rank issues the same collectives as its peers
                 self._record(str(e))
         self._accumulated.discard(name)
+        self._arrived_in[name] = torch._C._current_graph_task_id()
         if not self.is_linked(name):
             # out of the buffers (`.data` assigned, a cast): its gradient stays in `.grad`, unwritten,
             # and its bucket waits (no launch with a stale entry in backward); `_take_all` leaves it
@@ -659,6 +665,16 @@ class GradientSync:
             wrapper = wrapper_holding(self.params.values())
             if wrapper is not None:
                 return wrapper_message(wrapper)
+        adds = what.split(".")[0] in ("add", "add_")
+        if in_backward and self._arrived_in.get(name) == torch._C._current_graph_task_id():
+            # a hook running after the optimizer's own in this backward (registered after it), which
+            # took the gradient (a second accumulation in the same backward is a nested backward's)
+            return HOOKED_AFTER.format(name=name, what=what)
+        if in_backward and not adds:
+            # not autograd's accumulation: a hook registered before the optimizer's, where autograd
+            # accumulated into the guard (zeroed gradients, a no_sync() accumulation), or code run
+            # before this backward's accumulation (p.register_hook(fn) editing .grad)
+            return (HOOKED_ON_GUARD if name in self._accumulated else HOOKED_BEFORE).format(name=name, what=what)
         if state is GradState.STEPPED:
             if in_backward:
                 return STALE_GRADIENTS.format(name=name)
@@ -674,13 +690,11 @@ class GradientSync:
             return (f"the gradient of {name!r} is being reduced across ranks by the optimizer and cannot be zeroed "
                     f"in place ({what}: model.zero_grad(set_to_none=False) within a step?): discard a step's "
                     "gradients with optimizer.zero_grad(), which ends their reduction too")
-        if in_backward and what.split(".")[0] not in ("add", "add_"):
-            # not autograd's accumulation: a gradient hook, registered after the optimizer's own
-            # (which took the gradient), or before it where the guard was in `.grad` already
-            # (zeroed gradients, or a no_sync() accumulation: autograd accumulated into the guard)
-            return (HOOKED_ON_GUARD if name in self._accumulated else HOOKED_AFTER).format(name=name, what=what)
         if in_backward:
-            return (SYNCED_TWICE if state is GradState.REDUCING else
+            # a second accumulation after the gradient went to the reduction: inside a backward run
+            # from an autograd Function's backward (re-entrant checkpointing), in the same backward
+            return ((REACHED_TWICE.format(name=name) if _in_nested_backward() else SYNCED_TWICE)
+                    if state is GradState.REDUCING else
                     f"backward cannot add into the gradient of {name!r} held by canzona's DistributedOptimizer "
                     f"this way ({what}: not autograd's accumulation)")
         if name in self._graphed:
@@ -1141,12 +1155,34 @@ HOOKED_AFTER = ("a gradient hook used the gradient of {name!r} ({what}) after th
                 "runs after the optimizer's own; register it before building the optimizer, or transform the "
                 "gradient with p.register_hook(fn), which runs before it is accumulated")
 
+HOOKED_BEFORE = ("a gradient hook edited the gradient of {name!r} ({what}) inside backward before autograd "
+                 "accumulated into it: .grad is the optimizer's guard there (after zero_grad(set_to_none=False), "
+                 "or in a no_sync() accumulation), holding no values; in p.register_hook(fn), return the transformed "
+                 "gradient fn is given instead of editing .grad")
+REACHED_TWICE = ("the gradient of {name!r} was reached twice in one backward, after the first had been handed to "
+                 "the reduction: a parameter used by two re-entrant activation-checkpoint segments gets a gradient "
+                 "from each segment's own backward; checkpoint with use_reentrant=False (Hugging Face: "
+                 "gradient_checkpointing_kwargs={{'use_reentrant': False}})")
+
 HOOKED_ON_GUARD = ("a gradient hook used the gradient of {name!r} ({what}) while .grad was the optimizer's guard: "
                    "after zero_grad(set_to_none=False), and in each backward of a no_sync() accumulation after "
                    "its first, autograd accumulates each gradient straight into the optimizer's buffers, and .grad "
                    "holds no values during backward (a register_post_accumulate_grad_hook works in a backward after "
                    "zero_grad() with set_to_none=True, no accumulation); transform or read each backward's own "
                    "gradient with p.register_hook(fn), which runs before it is accumulated")
+
+
+def _in_nested_backward() -> bool:
+    """Whether this runs inside a backward started from an autograd Function's backward (what
+    torch.utils.checkpoint(use_reentrant=True) does per segment): read on a refusal's path only."""
+    from torch.autograd.function import BackwardCFunction
+
+    frame, nested = sys._getframe(), BackwardCFunction.apply.__code__
+    while frame is not None:
+        if frame.f_code is nested:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def unlinked_message(name: str | None) -> str:

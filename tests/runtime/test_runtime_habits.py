@@ -110,6 +110,14 @@ ONE_RANK_MISTAKES = {
     # a gradient scaled in place between backward and step()
     "filled": "is being reduced across ranks by the optimizer: nothing may read or change .grad between backward and "
               "step() (fill_.Scalar)",
+    # a p.register_hook(fn) whose fn edits `.grad` in place (after zero_grad(set_to_none=False): the guard)
+    "hook edits grad": "a gradient hook edited the gradient of 'model.embed_tokens.weight' (mul_.Tensor) inside "
+                       "backward before autograd accumulated into it",
+    # a post-accumulate-grad hook registered after the optimizer adding into `.grad`
+    "hook adds after": "a gradient hook used the gradient of 'model.embed_tokens.weight' (add_.Tensor) after the "
+                       "optimizer took it into its buffers",
+    # a parameter reached by two re-entrant activation-checkpoint segments
+    "reentrant checkpoint": "the gradient of 'model.embed_tokens.weight' was reached twice in one backward",
 }
 
 
@@ -117,6 +125,30 @@ ONE_RANK_MISTAKES = {
 RECOVERIES = {"opt.zero_grad()": lambda model, opt: opt.zero_grad(),
               "model.zero_grad()": lambda model, opt: model.zero_grad(),
               "model.zero_grad(set_to_none=False)": lambda model, opt: model.zero_grad(set_to_none=False)}
+
+
+def _edits_grad(weight: torch.Tensor):
+    def hook(grad: torch.Tensor) -> None:  # returns None: the gradient autograd accumulates is unchanged
+        weight.grad.mul_(0.5)
+    return hook
+
+
+def _adds_into_grad(weight: torch.Tensor) -> None:
+    weight.grad.add_(1.0)
+
+
+def _scales_grad(weight: torch.Tensor) -> None:
+    weight.grad.mul_(2.0)
+
+
+def _two_reentrant_segments(weight: torch.Tensor) -> torch.Tensor:
+    """Two re-entrant activation-checkpoint segments that both use `weight` (each runs a backward of
+    its own, which accumulates into `weight.grad`)."""
+    from torch.utils.checkpoint import checkpoint
+
+    t = torch.ones((), requires_grad=True)
+    segment = lambda t: t * weight.float().square().mean()  # noqa: E731
+    return checkpoint(segment, t, use_reentrant=True) + checkpoint(segment, t, use_reentrant=True)
 
 
 def one_rank_mistake_job(rank: int, world: int, how: str) -> dict:
@@ -134,8 +166,19 @@ def one_rank_mistake_job(rank: int, world: int, how: str) -> dict:
 
     def step() -> None:
         if not (mistaken and how == "stale"):
-            opt.zero_grad()
-        model.loss(batches[1]).backward()
+            opt.zero_grad(set_to_none=not (mistaken and how == "hook edits grad"))
+        weight = next(model.parameters())
+        handles = [] if not mistaken else \
+            [weight.register_hook(_edits_grad(weight))] if how == "hook edits grad" else \
+            [weight.register_post_accumulate_grad_hook(_adds_into_grad)] if how == "hook adds after" else []
+        loss = model.loss(batches[1])
+        if mistaken and how == "reentrant checkpoint":
+            loss = loss + 0 * _two_reentrant_segments(weight)
+        try:
+            loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
         if mistaken and how == "synced twice":
             model.loss(batches[1]).backward()
         if mistaken and how == "zeroed in place":
@@ -2277,6 +2320,46 @@ def test_an_in_place_write_between_backward_and_step_is_refused_by_the_step_noth
     said = str(refused.value)
     assert "'a.weight'" in said and "\n" not in said, said
     assert ("cannot be zeroed in place" if write == "foreach_zero_" else "nothing may read or change .grad") in said
+    assert compare(_params(model), before)["bit_identical"]
+    _sound_step(model, opt, 2)
+    _sound_step(reference, ropt, 0)
+    _sound_step(reference, ropt, 2)
+    assert compare(_params(model), _params(reference))["bit_identical"]
+
+
+@pytest.mark.parametrize("how", ["register_hook edits .grad", "post hook after adds", "post hook after scales",
+                                 "reentrant checkpoint"])
+def test_a_gradient_edited_inside_backward_is_refused_at_the_step_naming_its_cause(one_rank, how):
+    """Inside backward: a `p.register_hook(fn)` whose fn edits `.grad` in place (the optimizer's guard
+    after zero_grad(set_to_none=False)), a post-accumulate-grad hook registered after the optimizer
+    that adds into or scales `.grad`, or a parameter used by two re-entrant checkpoint segments (a
+    second accumulation in the same backward): recorded, and step() refuses it naming that cause and
+    what to do, nothing updated; opt.zero_grad() and a sound step then go on. Before: the pre-hook's
+    edit raised inside backward on that rank alone, naming register_post_accumulate_grad_hook; the
+    post hook's add_ and the checkpoint's second accumulation were named 'gradients were synchronised
+    twice in one step: wrap ... in no_sync()', a loop that never accumulated."""
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    _sound_step(model, opt, 0)
+    weight = model.a.weight
+    opt.zero_grad(set_to_none=how != "register_hook edits .grad")
+    handle = weight.register_hook(_edits_grad(weight)) if how == "register_hook edits .grad" else \
+        weight.register_post_accumulate_grad_hook(_adds_into_grad) if how == "post hook after adds" else \
+        weight.register_post_accumulate_grad_hook(_scales_grad) if how == "post hook after scales" else None
+    loss = _branchy_loss(model, 1)
+    if how == "reentrant checkpoint":
+        loss = loss + _two_reentrant_segments(weight)
+    loss.backward()
+    if handle is not None:
+        handle.remove()
+    before = _params(model)
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    said = str(refused.value)
+    assert "\n" not in said and "'a.weight'" in said and "synchronised twice" not in said, said
+    assert {"register_hook edits .grad": "inside backward before autograd accumulated into it",
+            "post hook after adds": "after the optimizer took it into its buffers",
+            "post hook after scales": "after the optimizer took it into its buffers",
+            "reentrant checkpoint": "use_reentrant=False"}[how] in said, said
     assert compare(_params(model), before)["bit_identical"]
     _sound_step(model, opt, 2)
     _sound_step(reference, ropt, 0)
