@@ -29,8 +29,9 @@ Three of these refusals may come on one rank alone, its loop having taken a bran
 not: a backward onto a `STEPPED` gradient (no `zero_grad()` since the step), a second backward onto a
 `REDUCING` one (no `no_sync()`), zeroing a `REDUCING` one. A raise there would leave the peers
 waiting in the step's collectives until the timeout, so they are recorded instead (`refused`), as
-is any other in-place write to a guard (scaling, `fill_`, a hook editing `.grad` in backward; a read
-has no values to go on with, and raises): the
+is any other in-place write to a guard (scaling, `fill_`, a hook editing `.grad` in backward; one to
+a `STEPPED` gradient outside backward is without effect; a read has no values to go on with, and
+raises): the
 gradient is not taken, the rank issues the same collectives as its peers, and the step's check
 fails on every rank together, naming the mistake, before anything is updated. That step is then
 abandoned on every rank (its gradients left `STEPPED`, as a step leaves them): `model.zero_grad()`
@@ -220,7 +221,13 @@ class GradGuard(Tensor):
             # that a write on one rank alone is one error on every rank at the step, not a raise here
             # that leaves the peers waiting. A read cannot go on without values: it raises
             written = next(t for t in tree_leaves(args[:1]) if isinstance(t, GradGuard))
-            owner.refused(written._name, what, in_backward)
+            owner = _live_owner(written)
+            if in_backward or owner.guard_state(written._name) is not GradState.STEPPED:
+                owner.refused(written._name, what, in_backward)
+            # else a write to the last step's gradient, consumed: without effect, as every way on drops
+            # it (zero_grad(), the optimizer's or the model's, either setting) or is refused for its
+            # own sake (a backward onto it, step() again, a read), so recording it would refuse a
+            # later sound step (after model.zero_grad(), which the optimizer does not see)
             return args[0] if isinstance(args[0], Tensor) else None
         raise CanzonaError(owner.refusal(guard._name, what, in_backward))
 

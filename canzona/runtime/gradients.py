@@ -1156,9 +1156,9 @@ HOOKED_AFTER = ("a gradient hook used the gradient of {name!r} ({what}) after th
                 "gradient with p.register_hook(fn), which runs before it is accumulated")
 
 HOOKED_BEFORE = ("a gradient hook edited the gradient of {name!r} ({what}) inside backward before autograd "
-                 "accumulated into it: .grad is the optimizer's guard there (after zero_grad(set_to_none=False), "
-                 "or in a no_sync() accumulation), holding no values; in p.register_hook(fn), return the transformed "
-                 "gradient fn is given instead of editing .grad")
+                 "accumulated into it: a .grad that is not None is the optimizer's guard there (the optimizer holds "
+                 "the gradient), with no values; in p.register_hook(fn), return the transformed gradient fn is given "
+                 "instead of editing .grad")
 REACHED_TWICE = ("the gradient of {name!r} was reached twice in one backward, after the first had been handed to "
                  "the reduction: a parameter used by two re-entrant activation-checkpoint segments gets a gradient "
                  "from each segment's own backward; checkpoint with use_reentrant=False (Hugging Face: "

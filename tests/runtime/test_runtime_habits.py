@@ -2327,6 +2327,23 @@ def test_an_in_place_write_between_backward_and_step_is_refused_by_the_step_noth
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
+@pytest.mark.parametrize("zero", list(RECOVERIES))
+def test_a_write_to_the_last_steps_gradient_then_zero_grad_steps_as_torch(one_rank, zero):
+    """After step(), `fill_(1)` on a gradient (consumed: the buffers hold the last step's), then any
+    zero_grad() and a backward: the step goes on as torch's, bit for bit a run without the write.
+    Before this session's recording of in-place writes: refused after model.zero_grad() ('after
+    step() the gradient ... is not readable as .grad (fill_.Scalar)')."""
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    _sound_step(model, opt, 0)
+    model.a.weight.grad.fill_(1.0)
+    RECOVERIES[zero](model, opt)
+    _branchy_loss(model, 1).backward()
+    opt.step()
+    _sound_step(reference, ropt, 0)
+    _sound_step(reference, ropt, 1)
+    assert compare(_params(model), _params(reference))["bit_identical"]
+
+
 @pytest.mark.parametrize("how", ["register_hook edits .grad", "post hook after adds", "post hook after scales",
                                  "reentrant checkpoint"])
 def test_a_gradient_edited_inside_backward_is_refused_at_the_step_naming_its_cause(one_rank, how):
