@@ -51,7 +51,7 @@ them (`_fp8_block`); attention stays in the model's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend, measured_on
@@ -85,6 +85,7 @@ from sim.ep_dispatch import (
     FlexTraffic,
 )
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
+from sim.userbuffers import UB_STREAMS
 
 # the head dimension when a caller gives none (every catalog model's: Llama 3, Qwen3)
 DEFAULT_HEAD_DIM = 128
@@ -246,7 +247,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      accumulate: int = 0, dispatcher: EpDispatcher | None = None,
                      cross_entropy: str = UNFUSED, apply_rope_fusion: bool = True,
                      bias_activation_fusion: bool = True, early_stop: bool = False,
-                     torch_loss: bool = False, loss_bytes: int = DTYPE_BYTES["fp32"]) -> MicroBatchWork:
+                     torch_loss: bool = False, loss_bytes: int = DTYPE_BYTES["fp32"],
+                     overlap_chunks: Mapping[str, tuple[int, int, int]] | None = None) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -276,6 +278,9 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     layer's last op that saves a tensor, as torch's non-reentrant checkpoint does
     (`canzona.recompute.rerun_stops_early`): a dense layer's down projection GEMM and residual add
     are not run again (`_stopped_early`); False: the whole forward again, as Megatron's checkpoint;
+    `overlap_chunks`: under Transformer Engine's userbuffers overlap, per block ("attention",
+    "mlp") the chunks of its forward column GEMMs, forward row GEMMs and backward row
+    data-gradient GEMMs (`sim.userbuffers.gemm_chunks`; None: every GEMM whole);
     `torch_loss`: the loss is PyTorch's `F.cross_entropy` (`SimConfig.loss_autograd`: the FSDP2
     frameworks'), priced as `sim.eager_kernels` prices it on logits of `loss_bytes` (fp32 where the
     loss upcasts them), as under eager kernels."""
@@ -332,6 +337,22 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
 
     def gemms(params: Sequence[ParamSpec], backward: bool) -> float:
         return run(gemm_kernels(params, backward))
+
+    def chunked(params: Sequence[ParamSpec], chunks: int, dgrad: bool = False) -> float:
+        """The forward GEMMs of `params` (`dgrad`: their data-gradient GEMMs) as Transformer
+        Engine runs them under a userbuffers overlap (`sim.userbuffers.UserbuffersConfig.gemm_chunks`):
+        `chunks` GEMMs of `tokens / chunks` rows, `UB_STREAMS` of them at once sharing the waves (a
+        grouped GEMM of that many chunks); one chunk: the whole GEMM."""
+        if chunks <= 1:
+            return run(gemm_kernels(params, dgrad, "dgrad"))
+        at_once = min(UB_STREAMS, chunks)
+        ks = []
+        for p in params:
+            out, inp = p.local_shape(tp)
+            n, k = (inp, out) if dgrad else (out, inp)
+            ks.append(grouped_gemm_kernel(f"{p.name}{'.dgrad' if dgrad else ''}.chunk", tokens // chunks, n, k,
+                                          at_once, linear, count=chunks / at_once))
+        return run(ks)
 
     # FP8's per-micro-batch scaling work of the whole stage (delayed scaling: the amax all-reduce
     # and the history / scale update, after each forward and each backward of every model chunk),
@@ -417,8 +438,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                               ring_step_s=steps_b)
             cast_f, cast_b = _fp8_block(fp8, column, row, tokens, tp, rate) if fp8 is not None else (0.0, 0.0)
             name = f"layer {layer}.{i}"
-            fwd = Block(name, gemms(column, False), core_f + elementwise(block, attention, False, name) + cast_f,
-                        gemms(row, False), **ring_f)
+            # the overlapped GEMMs' chunks under userbuffers (1: the whole GEMM)
+            ag_f, rs_f, ag_b = (overlap_chunks or {}).get("attention" if attention else "mlp", (1, 1, 1))
+            fwd = Block(name, chunked(column, ag_f), core_f + elementwise(block, attention, False, name) + cast_f,
+                        chunked(row, rs_f), **ring_f)
             # the layer's last op that saves a tensor is this block's row GEMM (no experts after it):
             # torch's early stop ends the re-run on entering it (`canzona.recompute.rerun_stops_early`)
             stops_here = early_stop and i == len(blocks) - 1 and not moe_by_id[layer]
@@ -429,7 +452,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             elif recompute == SELECTIVE_OP:  # every other mm and the memory-bound passes; attention is saved
                 redo = gemms([p for p in block if p.name in unsaved], False) + elementwise(block, attention, False,
                                                                                           name) - skipped_add
-            bwd = Block(name, gemms(row, True), core_b + redo + elementwise(block, attention, True, name) + cast_b,
+            bwd = Block(name, chunked(row, ag_b, dgrad=True) + run(gemm_kernels(row, True, "wgrad")), core_b + redo + elementwise(block, attention, True, name) + cast_b,
                         gemms(column, True), last_wgrad_s=run(gemm_kernels(column, True, "wgrad")),
                         first_wgrad_s=run(gemm_kernels(row, True, "wgrad")), **ring_b)
             if rerun:

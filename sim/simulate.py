@@ -115,7 +115,7 @@ from sim.steady import (
     with_micro_batches,
 )
 from sim.topology import Cluster, dp_size
-from sim.userbuffers import check_ub_config_applies
+from sim.userbuffers import check_ub_config_applies, gemm_chunks
 from sim.workload import Workload, forward_flops
 
 DEFINITIONS = {
@@ -871,7 +871,10 @@ def stage_work(cfg: SimConfig, arch: Architecture, head_dim: int, stage_model: M
                             # Megatron's gradient accumulation fusion: wgrad GEMMs add into main_grad
                             accumulate=wl.grad_bytes, dispatcher=cfg.options.ep_dispatcher,
                             cross_entropy=wl.cross_entropy, apply_rope_fusion=wl.apply_rope_fusion,
-                            bias_activation_fusion=wl.bias_activation_fusion)
+                            bias_activation_fusion=wl.bias_activation_fusion,
+                            # Transformer Engine's userbuffers overlap cuts the overlapped GEMMs into chunks
+                            overlap_chunks=gemm_chunks(o.tp_comm_overlap_cfg, cfg.tp)
+                            if cfg.tp > 1 and o.tp_comm_overlap and not cfg.fsdp else None)
 
 
 def _simulate(cfg: SimConfig, plan: Plan | None, replicate_phase_a: bool,

@@ -37,8 +37,15 @@ How the simulator prices a configuration (`UserbuffersConfig.block_sms`, `sim.co
   transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp): the GEMM in TP chunks, each
   chunk's output sent point to point on the copy engines (TE's default `use_ce`), no SM held by the
   transfers, the GEMM launched without `num_sm` SMs under `set_sm_margin`.
-Not priced, recorded only: `aggregate` (a ring exchange's GEMMs two chunks at a time; the
-simulator does not cut the all-gathers' GEMMs into chunks), `fp8_buf` (the reduce-scatter's buffer
+The overlapped GEMMs run in chunks (since 2026-12-03: `UserbuffersConfig.gemm_chunks`,
+`sim.model_work`): Transformer Engine issues a ring exchange's GEMM as `tp` cuBLAS calls, one per
+rank's share of the tokens (`CommOverlapP2PBase::split_overlap_ag` / `split_overlap_rs`; two shares
+a call under `aggregate`), and a `pipeline`'s as `num_splits` calls (`CommOverlapBase::split_overlap_rs`),
+round-robin on its `_NUM_MAX_UB_STREAMS` = 3 compute streams (transformer_engine/pytorch/module/base.py):
+up to three chunks run at once, their tiles filling the SMs' waves together, priced as a grouped
+GEMM of three chunks (`UB_STREAMS`); a chunk of few rows (TP 8 with CP 2: 512 tokens) leaves
+more of its waves partly empty than the whole GEMM would. `bulk` overlaps run the GEMM whole.
+Not priced, recorded only: `fp8_buf` (the reduce-scatter's buffer
 in FP8; the simulator moves the activation dtype under userbuffers, `sim.iteration.tp_gather_bytes`),
 `atomic_gemm` (false in every configuration here) and the ring-exchange reduce-scatter's GEMM
 chunks' several streams. The ring exchange's last step is priced (since 2026-11-30): once every
@@ -59,6 +66,9 @@ from canzona.errors import SpecError
 from sim.comm_sms import TPOverlapSMs
 
 RING_EXCHANGE, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
+# Transformer Engine's compute streams for an overlapped GEMM's chunks (`_NUM_MAX_UB_STREAMS`,
+# transformer_engine/pytorch/module/base.py; the chunks go to them round-robin)
+UB_STREAMS = 3
 METHODS = (RING_EXCHANGE, PIPELINE, BULK)
 
 
@@ -70,7 +80,7 @@ class GemmOverlap:
     num_sm: int  # the communication's SMs (a ring exchange's: TE's default 1, a margin only)
     num_splits: int | None = None  # `pipeline` only: the GEMM's chunks
     set_sm_margin: bool = False  # the GEMM launched on the SMs the communication leaves
-    aggregate: bool = False  # `ring_exchange` only; not priced (see the module's docstring)
+    aggregate: bool = False  # `ring_exchange` only: its GEMM in tp / 2 chunks of two shares (gemm_chunks)
     fp8_buf: bool = False  # not priced
     atomic_gemm: bool = False  # not priced
 
@@ -116,6 +126,21 @@ class UserbuffersConfig:
         for gemm in ("proj_fprop", "fc2_fprop"):
             if getattr(self, gemm).method == BULK:
                 raise SpecError(f"{self.name}: {gemm} must be a pipeline or ring-exchange reduce-scatter")
+
+    def gemm_chunks(self, tp: int) -> dict[str, tuple[int, int, int]]:
+        """Per block ("attention", "mlp"), the cuBLAS calls Transformer Engine cuts each overlapped
+        GEMM into at TP `tp` (`GemmChunks`): the forward's column GEMMs under the input's all-gather,
+        its row GEMMs under the output's reduce-scatter, and the backward's row data-gradient GEMMs
+        under the output gradient's all-gather. A ring exchange: `tp` chunks of one rank's share of
+        the tokens (`tp / 2` of two shares under `aggregate`); a `pipeline`: `num_splits`; `bulk`
+        overlaps run the GEMM whole."""
+        def chunks(g: GemmOverlap) -> int:
+            if g.method == RING_EXCHANGE:
+                return max(1, tp // 2) if g.aggregate else tp
+            return g.num_splits if g.method == PIPELINE and g.num_splits else 1
+
+        return {"attention": (chunks(self.qkv_fprop), chunks(self.proj_fprop), chunks(self.proj_dgrad)),
+                "mlp": (chunks(self.fc1_fprop), chunks(self.fc2_fprop), chunks(self.fc2_dgrad))}
 
     def block_sms(self, *, attention: bool) -> TPOverlapSMs:
         """The SMs the simulator charges a block's overlapped exchanges (attention's or the MLP's)."""
@@ -208,7 +233,7 @@ UB_CONFIGS: dict[str, UserbuffersConfig] = {c.name: c for c in (
             fc2_fprop=_pipeline(16, 4, set_sm_margin=True, fp8_buf=True), gathers=_RING_AG),
     # NeMo-Framework-Launcher, Llama 3.1 405B (training/llama/llama3_1_405b.yaml loads the bf16 one; DGX
     # Cloud's NeMo 24.09 recipe runs it for FP8 too, with `fp8_buf` on for proj_fprop / fc2_fprop,
-    # llama3.1/configure.sh): the all-gathers' ring exchanges with `aggregate` (not priced)
+    # llama3.1/configure.sh): the all-gathers' ring exchanges with `aggregate` (GEMMs in tp / 2 chunks)
     _config("ub_cfg_h100_bf16_h16384_tp8_cp2_mbs1_seqlen8192",
             _LAUNCHER.format(commit="0937882d3a796237e2943c26088be7d3ea1b00a0",
                              file="ub_cfg_h100_bf16_h16384_tp8_cp2_mbs1_seqlen8192.yaml"),
@@ -220,6 +245,12 @@ UB_CONFIGS: dict[str, UserbuffersConfig] = {c.name: c for c in (
 def check_ub_config(name: str, *, where: str = "") -> str:
     """`name` if it is a registered configuration; otherwise one SpecError listing them."""
     return check_choice(name, UB_CONFIGS, "userbuffers config", where=where)
+
+
+@functools.cache
+def gemm_chunks(name: str, tp: int) -> dict[str, tuple[int, int, int]]:
+    """Configuration `name`'s overlapped GEMMs' chunks at TP `tp` (`UserbuffersConfig.gemm_chunks`)."""
+    return UB_CONFIGS[check_ub_config(name)].gemm_chunks(tp)
 
 
 @functools.cache

@@ -10,11 +10,12 @@ from dataclasses import replace
 
 import pytest
 
-from canzona.cost import DeviceRate, elementwise_kernel
+from canzona.cost import DeviceRate, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.models import resolve_model
 from sim.comm_sms import TPOverlapSMs
+from sim.model_work import micro_batch_work
 from sim.options import RunOptions
 from sim.search import time_floor
 from sim.simulate import SimConfig, simulate
@@ -24,9 +25,11 @@ from sim.userbuffers import (
     PIPELINE,
     RING_EXCHANGE,
     UB_CONFIGS,
+    UB_STREAMS,
     GemmOverlap,
     UserbuffersConfig,
     block_overlaps,
+    gemm_chunks,
 )
 from sim.workload import Workload
 
@@ -34,6 +37,7 @@ FP8_405B = "userbuffers_fp8_h100_h16384_tp8_cp2_mbs1_seqlen8192"
 BF16_405B = "userbuffers_bf16_h100_h16384_tp8_cp2_mbs1_seqlen8192"
 FP8_70B = "userbuffers_fp8_h100_h8192_tp4_mbs1_seqlen8192"
 LAUNCHER_BF16 = "ub_cfg_h100_h8192_tp4_mbs1_seqlen8192"
+LAUNCHER_405B = "ub_cfg_h100_bf16_h16384_tp8_cp2_mbs1_seqlen8192"
 
 # a small layout whose TP exchanges the overlap hides (TP 4 inside a node)
 CFG = SimConfig(model="qwen3-0.6b", gpus=8, tp=4, optimizer="adamw", workload=Workload(seq_len=1024, global_batch=8),
@@ -125,20 +129,24 @@ def test_fewer_sms_make_no_run_slower():
     assert fewer.forward_backward_s < base.forward_backward_s  # the SMs do show
 
 
-def test_a_ring_exchange_reduce_scatter_runs_in_tp_chunks_on_a_one_sm_margin():
-    """Megatron-Bridge's FP8 configurations at TP 8: the down projection loses one SM, not 16, and
-    the reduce-scatter's last chunk, which follows it, is one of 8 (TP), not of 4 (num_splits)."""
+def test_a_ring_exchange_reduce_scatter_runs_in_tp_chunks_on_a_one_sm_margin(monkeypatch):
+    """Megatron-Bridge's FP8 configurations at TP 8: the down projection loses one SM, not 16 (as
+    a pipeline of as many chunks does), and the reduce-scatter's last chunk, which follows it, is
+    one of 8 (TP), not of 4 (num_splits)."""
     tp8 = replace(CFG, tp=8).at_one_rank_defaults()  # DP 1: no parameter gather to overlap or not
+    default = UB_CONFIGS[DEFAULT_UB_CONFIG]
+    eight = replace(default, name="test-pipeline-8", fc2_fprop=replace(default.fc2_fprop, num_splits=8))
+    monkeypatch.setitem(UB_CONFIGS, eight.name, eight)
 
     def spans(cfg: SimConfig):
         return {s.name: s for s in simulate(cfg).spans if s.rank == 0 and s.phase == "A"}
 
-    ring, pipeline = spans(_with(tp8, FP8_70B)), spans(tp8)
+    ring, pipeline, pipeline8 = spans(_with(tp8, FP8_70B)), spans(tp8), spans(_with(tp8, eight.name))
 
     def took(run, name: str) -> float:
         return run[f"mb0 fwd layer 0.1 {name}"].end - run[f"mb0 fwd layer 0.1 {name}"].start
 
-    assert took(ring, "last") < took(pipeline, "last")
+    assert took(ring, "last") < took(pipeline8, "last")
     assert took(ring, "reduce-scatter (last chunk)") < took(pipeline, "reduce-scatter (last chunk)")
     assert ring["mb0 fwd layer 0.1 reduce-scatter (last chunk)"].start >= ring["mb0 fwd layer 0.1 last"].end - 1e-12
     # the ring's last step: the received TP partial sums of the rank's slice reduced on the compute
@@ -170,3 +178,53 @@ def test_a_configuration_is_refused_where_it_changes_nothing():
         replace(_with(CFG, FP8_405B), tp=1).check()
     with pytest.raises(SpecError, match="not under --fsdp"):
         replace(_with(CFG, FP8_405B), fsdp=True).check()
+
+
+def test_overlapped_gemms_run_in_the_chunks_transformer_engine_cuts_them_into():
+    """TE issues a ring exchange's GEMM as one cuBLAS call per TP rank's share of the tokens (two
+    shares a call under `aggregate`), a `pipeline`'s as `num_splits` calls; `bulk` overlaps (the
+    column GEMMs' backward) run whole. Per block: forward column GEMMs, forward row GEMMs, backward
+    row data-gradient GEMMs."""
+    assert UB_STREAMS == 3  # TE's _NUM_MAX_UB_STREAMS
+    assert gemm_chunks(FP8_405B, 8) == {"attention": (8, 8, 8), "mlp": (8, 8, 8)}
+    assert gemm_chunks(LAUNCHER_405B, 8) == {"attention": (4, 4, 4), "mlp": (4, 4, 4)}  # aggregate; 4 splits
+    assert gemm_chunks(DEFAULT_UB_CONFIG, 4) == {"attention": (4, 4, 4), "mlp": (4, 4, 4)}
+    assert gemm_chunks(FP8_70B, 4) == {"attention": (4, 4, 4), "mlp": (4, 4, 4)}
+
+
+def test_chunked_gemms_share_the_waves_three_at_a_time():
+    """Llama 3.1 405B's MLP at TP 8, 4096 tokens a rank (sequence 8192 over CP 2): under
+    Megatron-Bridge's FP8 configuration each overlapped GEMM runs as 8 chunks of 512 rows, three at
+    once on TE's streams (a grouped GEMM of three chunks), slower than the whole GEMM; the backward's
+    weight-gradient GEMMs and the column GEMMs' data gradients (bulk overlaps) are unchanged."""
+    spec, arch = resolve_model("canzona/data/models/llama3.1-405b.json")
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    args = (spec, 8, 8192, 8192, arch.q_dim, arch.hidden, arch.vocab, rate)
+    kw = dict(kv_dim=arch.kv_dim, cp=2, head=False)
+    whole = micro_batch_work(*args, **kw)
+    chunked = micro_batch_work(*args, **kw, overlap_chunks=gemm_chunks(FP8_405B, 8))
+    mlp = [p for p in spec.own_matrices() if p.layer == 0 and ".mlp." in p.name]
+    column = [p for p in mlp if p.tp_dim == 0]
+    row = [p for p in mlp if p.tp_dim == 1]
+    assert len(column) == 2 and len(row) == 1
+    tokens = 4096
+
+    def priced(params, dgrad=False):
+        total = 0.0
+        for p in params:
+            out, inp = p.local_shape(8)
+            n, k = (inp, out) if dgrad else (out, inp)
+            total += rate.kernel_seconds(grouped_gemm_kernel("c", tokens // 8, n, k, 3, "bf16", count=8 / 3))
+        return total
+
+    f0, f1 = whole.forward[0][1], chunked.forward[0][1]
+    assert f1.first_s == pytest.approx(priced(column))
+    assert f1.last_s == pytest.approx(priced(row))
+    assert f1.middle_s == f0.middle_s
+    assert f1.first_s > f0.first_s and f1.last_s > f0.last_s
+    b0, b1 = whole.backward[0][0], chunked.backward[0][0]  # the MLP's backward comes first
+    out, inp = row[0].local_shape(8)
+    wgrad = rate.kernel_seconds(gemm_kernel("w", out, inp, tokens, "bf16"))
+    assert b1.first_s == pytest.approx(priced(row, dgrad=True) + wgrad)
+    assert b1.last_s == b0.last_s and b1.middle_s == b0.middle_s
+    assert b1.first_s > b0.first_s
