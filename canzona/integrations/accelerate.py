@@ -477,7 +477,7 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
                 f"load_state(): {len(schedulers)} learning-rate schedulers are prepared, and the save in {where} "
                 f"wrote {files} scheduler file(s): accelerate loads scheduler_<k>.bin into its k-th scheduler; "
                 "prepare the schedulers of the save, in the order of the save")
-        shapes = []
+        shapes, unread = [], []  # (unread apart: a shape may be empty, a state of private keys alone)
         for k, sched in enumerate(schedulers):
             try:
                 saved = state_shape(torch.load(os.path.join(where, scheduler_file(k)), weights_only=True))
@@ -490,9 +490,11 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
                     f"({_shape_text(saved)}) than the {type(getattr(sched, 'scheduler', sched)).__name__} prepared "
                     f"as scheduler {k} ({_shape_text(now)}), and accelerate loads scheduler_<k>.bin "
                     "into its k-th scheduler: prepare the schedulers of the save, in the order of the save")
-            shapes.append(saved if saved is not None and now is not None else ("unread", k))
-        alike = len(set(shapes)) < len(shapes) or any(s[0] == "unread" for s in shapes)
-        if alike:
+            if saved is None or now is None:
+                unread.append(k)
+            else:
+                shapes.append(saved)
+        if len(set(shapes)) < len(shapes) or unread or () in shapes:  # () tells nothing: private keys alone
             unverified.append("which scheduler file each scheduler takes (schedulers of one class and group count "
                               "read alike)")
         if files > len(schedulers):

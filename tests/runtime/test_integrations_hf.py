@@ -1919,6 +1919,39 @@ def test_an_older_save_is_warned_of_where_it_cannot_be_verified(tmp_path, one_ra
     assert "error" not in got and got["told"] == [] and got["plain"].last_epoch == 3
 
 
+def _scheduler_files(folder: Path, states: list) -> str:
+    """An older save's scheduler files alone (accelerate's names), for `check_older_save`."""
+    from canzona.integrations.accelerate import scheduler_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, state in enumerate(states):
+        torch.save(state, folder / scheduler_file(k))
+    return str(folder)
+
+
+def test_an_older_save_of_a_scheduler_with_private_state_only_is_warned_of_not_refused(tmp_path):
+    """An older save of a `ChainedScheduler` (torch's state holds only `_last_lr` and `_schedulers`),
+    or of any scheduler whose state is private keys alone. Before (review): no public key left an
+    empty shape, and `check_older_save` probed its first entry: "CheckpointError: tuple index out of
+    range" on loading a legitimate save. Now it is loaded, and warned of as not verified."""
+    from torch.optim.lr_scheduler import ChainedScheduler, ExponentialLR, StepLR
+
+    from canzona.integrations.accelerate import check_older_save
+
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.5)
+    chained = ChainedScheduler([StepLR(sgd, 2), ExponentialLR(sgd, 0.9)], optimizer=sgd)
+
+    class Private:
+        def state_dict(self) -> dict:
+            return {"_count": 3}
+
+    for scheds in ([chained], [Private()], [chained, Private()]):
+        where = _scheduler_files(tmp_path / str(len(scheds)) / type(scheds[-1]).__name__,
+                                 [s.state_dict() for s in scheds])
+        told = check_older_save(where, scheds, 0, False, True)
+        assert told is not None and "could not verify which scheduler file each scheduler takes" in told, told
+
+
 def test_fewer_or_more_objects_registered_for_checkpointing_than_saved_is_a_count_error():
     """`register_for_checkpointing` given fewer (or more) objects at the load than at the save. Before
     (review): the error said "each would take another's state", which is the words for another
