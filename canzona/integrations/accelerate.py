@@ -438,22 +438,57 @@ def scheduler_file(k: int) -> str:
     return f"{SCHEDULER_NAME}.bin" if k == 0 else f"{SCHEDULER_NAME}_{k}.bin"
 
 
-def state_shape(state: Any) -> tuple | None:
-    """What a scheduler's state dict says of the scheduler (an older save's file against a prepared
-    one's `state_dict()`): its public keys (the class's own fields: LambdaLR, StepLR and
-    ReduceLROnPlateau each have others; torch's private ones come and go between versions), each
-    with the length of its list (one per param group) where it is one. None: not a mapping."""
+# What tells one scheduler's state from another's (an older save's file against the state_dict()
+# of the scheduler prepared in its place), in one place. A state's own keys are its public keys but
+# these, which any LRScheduler's state may carry whatever its class (torch's base class sets them;
+# `verbose` was written up to torch 2.6): two states whose own keys share none are two classes'
+# (a LambdaLR's lr_lambdas, a StepLR's step_size and gamma). A list of the prepared optimizer's
+# group count (one entry per group) beside the file's list of another length at the same key is
+# another group count. Nothing else contradicts: keys on one side only (a torch version's,
+# ReduceLROnPlateau's default_min_lr since 2.6; one set lazily) and lists of other lengths (a
+# metric history) load all the same (torch's load_state_dict is __dict__.update). Private keys
+# (`_last_lr`, a ChainedScheduler's `_schedulers`) come and go between versions: not read.
+SHARED_SCHEDULER_KEYS = frozenset({"base_lrs", "last_epoch", "verbose"})
+
+
+def state_shape(state: Any) -> dict[str, int | None] | None:
+    """What a scheduler's state dict says of the scheduler: its public keys, each with the length of
+    its list where it is one (`SHARED_SCHEDULER_KEYS` says what of it is compared). None: not a
+    mapping."""
     if not isinstance(state, Mapping):
         return None
-    return tuple(sorted((str(k), len(v) if isinstance(v, (list, tuple)) else None)
-                        for k, v in state.items() if not str(k).startswith("_")))
+    return {str(k): len(v) if isinstance(v, (list, tuple)) else None
+            for k, v in state.items() if not str(k).startswith("_")}
 
 
-def _shape_text(shape: tuple | None) -> str:
-    if shape is None:
-        return "unreadable"
-    lists = {n for k, n in shape if n is not None}
-    return f"keys {', '.join(k for k, _ in shape)}" + (f"; {lists.pop()} group(s)" if len(lists) == 1 else "")
+def own_keys(shape: Mapping[str, int | None]) -> set[str]:
+    return set(shape) - SHARED_SCHEDULER_KEYS
+
+
+def contradiction(saved: Mapping[str, int | None], now: Mapping[str, int | None], groups: int | None) -> str | None:
+    """Why a file's state (`saved`, a `state_shape`) cannot be the state of the scheduler prepared in
+    its place (`now`, over an optimizer of `groups` param groups; None: not known), or None
+    (`SHARED_SCHEDULER_KEYS` says what counts)."""
+    mine, theirs = own_keys(saved), own_keys(now)
+    if mine and theirs and not mine & theirs:
+        return "another class's: no key of its class's own in common"
+    for key in sorted(set(saved) & set(now)):
+        if groups is not None and now[key] == groups and saved[key] is not None and saved[key] != groups:
+            return f"{saved[key]} group(s) in its {key}, not {groups}"
+    return None
+
+
+def _shape_text(shape: Mapping[str, int | None]) -> str:
+    lists = {n for n in shape.values() if n is not None}
+    return f"keys {', '.join(sorted(shape)) or 'none public'}" + \
+        (f"; {lists.pop()} group(s)" if len(lists) == 1 else "")
+
+
+def _groups(sched: Any) -> int | None:
+    """The group count of the optimizer a prepared scheduler steps (None: none known)."""
+    inner = getattr(sched, "scheduler", sched)
+    groups = getattr(getattr(inner, "optimizer", None), "param_groups", None)
+    return len(groups) if isinstance(groups, list) else None
 
 
 def check_older_save(where: str, schedulers: list[Any], registered: int, schedulers_recorded: bool,
@@ -463,7 +498,7 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
     accelerate loads `scheduler_<k>.bin` into its k-th prepared scheduler and `custom_checkpoint_<i>.pkl`
     into its i-th registered object: fewer files than schedulers (or another count of objects than
     the save registered) is one `CanzonaError`, as is a scheduler file whose state is another
-    scheduler's (`state_shape`: another class, or another group count). Returns the warning for
+    scheduler's (`contradiction`: another class, or another group count). Returns the warning for
     what could not be verified (None: nothing): schedulers whose files read alike (two of one
     class and group count could be swapped), files left unread, objects registered (the save
     records not what each was; the files are pickles, not opened before accelerate loads them)."""
@@ -477,24 +512,28 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
                 f"load_state(): {len(schedulers)} learning-rate schedulers are prepared, and the save in {where} "
                 f"wrote {files} scheduler file(s): accelerate loads scheduler_<k>.bin into its k-th scheduler; "
                 "prepare the schedulers of the save, in the order of the save")
-        shapes, unread = [], []  # (unread apart: a shape may be empty, a state of private keys alone)
+        shapes: list[dict | None] = []  # each file's, None where unread (not readable weights-only)
+        nows = [state_shape(sched.state_dict()) for sched in schedulers]
         for k, sched in enumerate(schedulers):
             try:
                 saved = state_shape(torch.load(os.path.join(where, scheduler_file(k)), weights_only=True))
             except Exception:  # noqa: BLE001 - a state torch will not read weights-only: not checked here
                 saved = None
-            now = state_shape(sched.state_dict())
-            if saved is not None and now is not None and saved != now:
+            shapes.append(saved)
+            why = contradiction(saved, nows[k], _groups(sched)) if saved is not None and nows[k] is not None \
+                else None
+            if why is not None:
                 raise CanzonaError(
                     f"load_state(): {scheduler_file(k)} of the save in {where} holds another scheduler's state "
                     f"({_shape_text(saved)}) than the {type(getattr(sched, 'scheduler', sched)).__name__} prepared "
-                    f"as scheduler {k} ({_shape_text(now)}), and accelerate loads scheduler_<k>.bin "
+                    f"as scheduler {k} ({_shape_text(nows[k])}: {why}), and accelerate loads scheduler_<k>.bin "
                     "into its k-th scheduler: prepare the schedulers of the save, in the order of the save")
-            if saved is None or now is None:
-                unread.append(k)
-            else:
-                shapes.append(saved)
-        if len(set(shapes)) < len(shapes) or unread or () in shapes:  # () tells nothing: private keys alone
+        # a file is its scheduler's where its own keys are the scheduler's and contradict every other's
+        alike = any(saved is None or nows[k] is None or not own_keys(saved) & own_keys(nows[k]) or
+                    any(now is None or contradiction(saved, now, _groups(other)) is None
+                        for j, (other, now) in enumerate(zip(schedulers, nows)) if j != k)
+                    for k, saved in enumerate(shapes))
+        if alike:
             unverified.append("which scheduler file each scheduler takes (schedulers of one class and group count "
                               "read alike)")
         if files > len(schedulers):

@@ -1952,6 +1952,48 @@ def test_an_older_save_of_a_scheduler_with_private_state_only_is_warned_of_not_r
         assert told is not None and "could not verify which scheduler file each scheduler takes" in told, told
 
 
+def test_an_older_save_is_refused_only_where_its_scheduler_state_contradicts_the_prepared_one(tmp_path):
+    """`check_older_save` against legitimate older scheduler files whose public keys differ from a
+    fresh scheduler's: torch <= 2.6 wrote `verbose` in every LRScheduler's state, 2.6 added
+    ReduceLROnPlateau's `default_min_lr`, a scheduler may set a key lazily or keep a growing metric
+    history. Before (review): the key sets had to be equal, so each was refused; torch's own
+    load_state_dict (__dict__.update) loads them. Now refused only where the states contradict (no
+    key of a class's own in common; a list of the prepared optimizer's group count against the
+    file's of another length at the same key), still one CanzonaError line."""
+    from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau, StepLR
+
+    from canzona.integrations.accelerate import check_older_save
+
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.5)
+    two = torch.optim.SGD([{"params": [nn.Parameter(torch.zeros(2))]}, {"params": [nn.Parameter(torch.zeros(2))]}],
+                          lr=0.5)
+
+    class History:
+        """A scheduler of the user's keeping its metrics, its best one set at the first."""
+
+        def __init__(self, metrics: list[float]) -> None:
+            self.metrics, self.optimizer = metrics, sgd
+
+        def state_dict(self) -> dict:
+            state = {"base_lrs": [0.5], "last_epoch": len(self.metrics), "metrics": list(self.metrics), "patience": 2}
+            return state | ({"best": min(self.metrics)} if self.metrics else {})
+
+    lam = LambdaLR(sgd, lambda s: 0.5 ** s)
+    plateau = ReduceLROnPlateau(sgd)
+    older = {k: v for k, v in plateau.state_dict().items() if k != "default_min_lr"}
+    for name, sched, state in (("verbose", lam, lam.state_dict() | {"verbose": False}),
+                               ("plateau", plateau, older),
+                               ("history", History([]), History([0.3, 0.2, 0.1]).state_dict())):
+        assert check_older_save(_scheduler_files(tmp_path / name, [state]), [sched], 0, False, True) is None, name
+    for name, sched, state, why in (
+            ("class", lam, StepLR(sgd, 2).state_dict(), "another class's: no key of its class's own in common"),
+            ("groups", lam, LambdaLR(two, lambda s: 1.0).state_dict(), "2 group(s) in its base_lrs, not 1")):
+        with pytest.raises(CanzonaError, match=r"^load_state\(\): scheduler\.bin of the save in .* holds another "
+                                               rf"scheduler's state .*: {re.escape(why)}\), and accelerate") as e:
+            check_older_save(_scheduler_files(tmp_path / name, [state]), [sched], 0, False, True)
+        assert "\n" not in str(e.value)
+
+
 def test_fewer_or_more_objects_registered_for_checkpointing_than_saved_is_a_count_error():
     """`register_for_checkpointing` given fewer (or more) objects at the load than at the save. Before
     (review): the error said "each would take another's state", which is the words for another
