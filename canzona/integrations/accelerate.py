@@ -69,11 +69,13 @@ For a model whose parameters a canzona optimizer holds:
   canzona's) takes folders of one fingerprint in order and its scheduler files by position: where
   the optimizers take their folders in another order than they were prepared in, a scheduler over
   one of them is one `CanzonaError` before anything is loaded, as are fewer scheduler files than
-  schedulers, a file holding another scheduler class's state or another group count's (a plain
-  scheduler and a canzona one swapped, say) and another count of registered objects than the
-  save's (`check_older_save`); what such a save cannot tell (schedulers of one class and group
-  count swapped, files left unread, what each registered object was) is one warning, and each
-  takes its position's file. Objects given to
+  schedulers, a file whose state contradicts the scheduler prepared in its place (`contradiction`:
+  public keys of a class's own, all but `SHARED_SCHEDULER_KEYS`, none in common, a StepLR's file
+  for a LambdaLR; a list of the prepared optimizer's group count against the file's of another
+  length) and another count of registered objects than the save's (`check_older_save`); what such
+  a save cannot tell (files whose states read alike, a LambdaLR's and a MultiplicativeLR's; a
+  state of private keys alone; files not read weights-only or left unread; what each registered
+  object was) is one warning, and each takes its position's file. Objects given to
   `accelerator.register_for_checkpointing` (a scheduler too) are accelerate's own
   `custom_checkpoint_<i>.pkl`, loaded by registration order: the manifest records what each was
   (its type; a scheduler's optimizer, a canzona one by its folder, another by its type and group
@@ -528,14 +530,25 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
                     f"({_shape_text(saved)}) than the {type(getattr(sched, 'scheduler', sched)).__name__} prepared "
                     f"as scheduler {k} ({_shape_text(nows[k])}: {why}), and accelerate loads scheduler_<k>.bin "
                     "into its k-th scheduler: prepare the schedulers of the save, in the order of the save")
-        # a file is its scheduler's where its own keys are the scheduler's and contradict every other's
-        alike = any(saved is None or nows[k] is None or not own_keys(saved) & own_keys(nows[k]) or
-                    any(now is None or contradiction(saved, now, _groups(other)) is None
-                        for j, (other, now) in enumerate(zip(schedulers, nows)) if j != k)
-                    for k, saved in enumerate(shapes))
-        if alike:
-            unverified.append("which scheduler file each scheduler takes (schedulers of one class and group count "
-                              "read alike)")
+        # a file is its scheduler's where its own keys meet the scheduler's and contradict every other's
+        unread, why_not = [], []
+        for k, saved in enumerate(shapes):
+            if saved is None or nows[k] is None:
+                unread.append(scheduler_file(k))
+            elif not own_keys(saved) & own_keys(nows[k]):
+                why_not.append(f"{scheduler_file(k)} shows no key of a scheduler class's own")
+            else:
+                also = [j for j, (other, now) in enumerate(zip(schedulers, nows))
+                        if j != k and (now is None or contradiction(saved, now, _groups(other)) is None)]
+                if also:
+                    why_not.append(f"{scheduler_file(k)} could be scheduler {', '.join(map(str, also))}'s too")
+        if unread:
+            one = len(unread) == 1
+            unverified.append(f"what {', '.join(unread)} hold{'s' if one else ''} ({'it' if one else 'they'} could not "
+                              f"be read weights-only, and {'is' if one else 'are'} not checked before accelerate loads "
+                              f"{'it' if one else 'them'})")
+        if why_not:
+            unverified.append(f"which scheduler file each scheduler takes ({'; '.join(why_not)})")
         if files > len(schedulers):
             unverified.append(f"that the {files - len(schedulers)} scheduler file(s) left unread are none of "
                               "these schedulers'")

@@ -1994,6 +1994,42 @@ def test_an_older_save_is_refused_only_where_its_scheduler_state_contradicts_the
         assert "\n" not in str(e.value)
 
 
+def test_the_older_saves_warning_says_why_each_scheduler_file_is_not_verified(tmp_path):
+    """What `check_older_save` could not verify, in words of its own for each case. Before
+    (review): one wording for all, "(schedulers of one class and group count read alike)", also
+    where a file could not be read weights-only or a state (a ChainedScheduler's) shows no key of a
+    class's own; and the docs said a file of another class's state is refused, while a LambdaLR's
+    and a MultiplicativeLR's read alike."""
+    import numpy as np
+    from torch.optim import lr_scheduler
+
+    from canzona.integrations.accelerate import check_older_save
+
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.5)
+
+    class Halve:
+        def __init__(self) -> None:
+            self.factor = np.float64(0.5)  # saved in the state (a callable object's __dict__): not weights-only
+
+        def __call__(self, step: int) -> float:
+            return float(self.factor) ** step
+
+    LambdaLR, MultiplicativeLR = lr_scheduler.LambdaLR, lr_scheduler.MultiplicativeLR
+    unread = LambdaLR(sgd, Halve())
+    told = check_older_save(_scheduler_files(tmp_path / "unread", [unread.state_dict()]), [unread], 0, False, True)
+    assert "could not verify what scheduler.bin holds (it could not be read weights-only" in told, told
+    lam, mul = LambdaLR(sgd, lambda s: 1.0), MultiplicativeLR(sgd, lambda s: 1.0)
+    told = check_older_save(_scheduler_files(tmp_path / "alike", [lam.state_dict(), mul.state_dict()]), [lam, mul], 0,
+                            False, True)
+    assert "which scheduler file each scheduler takes (scheduler.bin could be scheduler 1's too; scheduler_1.bin " \
+           "could be scheduler 0's too)" in told, told
+    chained = lr_scheduler.ChainedScheduler([lr_scheduler.StepLR(sgd, 2), lr_scheduler.ExponentialLR(sgd, 0.9)],
+                                            optimizer=sgd)
+    told = check_older_save(_scheduler_files(tmp_path / "chained", [chained.state_dict()]), [chained], 0, False, True)
+    assert "which scheduler file each scheduler takes (scheduler.bin shows no key of a scheduler class's own)" in told
+    assert "read alike" not in told, told
+
+
 def test_fewer_or_more_objects_registered_for_checkpointing_than_saved_is_a_count_error():
     """`register_for_checkpointing` given fewer (or more) objects at the load than at the save. Before
     (review): the error said "each would take another's state", which is the words for another
