@@ -69,6 +69,7 @@ import dataclasses
 import inspect
 import json
 import os
+import pickle
 import re
 import warnings
 import weakref
@@ -284,19 +285,31 @@ def checkpoint_problem(folder: str) -> str | None:
     return damaged_file(folder)
 
 
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # torch's weights-only error sets a phrase in bold
+BLOCKED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")  # the global torch's weights-only load refused
+
+
 def read_resumed(folder: str, name: str) -> Any:
     """`name` of checkpoint `folder`, one of the files the resume reads after the optimizer state
     (`scheduler.pt`, an `rng_state*.pth`), read as the Trainer reads it (`torch.load`, weights only;
     the RNG states with numpy's types allowed). One `CheckpointError` naming the file where it
-    cannot be read (a damaged file)."""
+    cannot be read: a file holding objects torch does not load weights-only (a LambdaLR's callable
+    object keeping a numpy scalar), which the Trainer would not load either, named with the global
+    torch blocks; any other, a damaged file."""
     from transformers.trainer_pt_utils import safe_globals
 
     try:
         with safe_globals() if RNG_STATE_FILE.match(name) else contextlib.nullcontext():
             return torch.load(os.path.join(folder, name), weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch raises for a damaged file: named in one line
-        raise CheckpointError(f"{name} cannot be read ({type(e).__name__}: {first_line(e)}): a damaged file") \
-            from None
+        blocked = BLOCKED_GLOBAL.search(str(e)) if isinstance(e, pickle.UnpicklingError) else None
+        if blocked is not None:
+            raise CheckpointError(
+                f"{name} holds objects torch does not load weights-only ({blocked.group(1)}), as the Trainer loads it: "
+                f"if you trust the file, allow them before train() with torch.serialization.add_safe_globals"
+                f"([{blocked.group(1)}])") from None
+        raise CheckpointError(f"{name} cannot be read ({type(e).__name__}: {ANSI_ESCAPE.sub('', first_line(e))}): "
+                              "a damaged file") from None
 
 
 def damaged_file(folder: str) -> Named | None:

@@ -1593,6 +1593,46 @@ def test_a_damaged_scheduler_or_rng_file_is_refused_before_anything_is_loaded(tm
         check_whole(str(latest))
 
 
+class _Halve:
+    """A LambdaLR's callable object holding a numpy scalar: saved in the scheduler's state, which
+    torch then does not load weights-only (nor does the Trainer)."""
+
+    def __init__(self) -> None:
+        self.factor = __import__("numpy").float64(0.5)
+
+    def __call__(self, step: int) -> float:
+        return float(self.factor) ** step
+
+
+def test_a_scheduler_or_rng_file_torch_does_not_load_weights_only_is_named_as_such_not_damaged(tmp_path):
+    """A valid `scheduler.pt` (or `rng_state.pth`) holding objects torch will not load weights-only,
+    as the Trainer loads them (transformers 5: `torch.load(weights_only=True)`, the RNG states with
+    numpy's types allowed): the resume would fail there too. Before (review): refused as "a damaged
+    file", the line carrying torch's ANSI escapes and not naming the global. Now one line saying
+    which global torch blocks, and how to allow it."""
+    from fractions import Fraction
+
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from canzona.errors import CheckpointError
+    from canzona.integrations.hf import read_resumed
+
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.5)
+    torch.save(LambdaLR(sgd, _Halve()).state_dict(), tmp_path / "scheduler.pt")
+    torch.save({"cpu": torch.random.get_rng_state(), "seed": Fraction(1, 2)}, tmp_path / "rng_state.pth")
+    for name, blocked in (("scheduler.pt", "numpy._core.multiarray.scalar"), ("rng_state.pth", "fractions.Fraction")):
+        with pytest.raises(CheckpointError) as e:
+            read_resumed(str(tmp_path), name)
+        assert str(e.value).startswith(f"{name} holds objects torch does not load weights-only ({blocked}"), str(e.value)
+        assert "damaged" not in str(e.value) and "\x1b" not in str(e.value) and "\n" not in str(e.value), str(e.value)
+    # a damaged one still is, ANSI-free
+    (tmp_path / "rng_state.pth").write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match=r"^rng_state\.pth cannot be read \(UnpicklingError: .*\): a damaged file$") \
+            as e:
+        read_resumed(str(tmp_path), "rng_state.pth")
+    assert "\x1b" not in str(e.value), str(e.value)
+
+
 def test_resuming_from_save_only_model_checkpoints_says_so():
     """`save_only_model=True` checkpoints (model files and trainer_state.json, no optimizer state),
     then `resume_from_checkpoint=True`: one CheckpointError (transformers documents such a
