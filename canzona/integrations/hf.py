@@ -51,8 +51,8 @@ from rank 0 alone, while canzona's `state_dict()` is a collective every rank mus
   canzona (no manifest) still loads; saving over one is refused with a `CheckpointError` before
   the step's model files are written (`canzona.integrations.optimizer_state`).
   `resume_from_checkpoint=True` resumes from the latest whole `checkpoint-<step>` (optimizer
-  folder with its manifest, `scheduler.pt`, `trainer_state.json`; those and the `rng_state*.pth`
-  readable: `damaged_file`), skipping those of saves killed midway or damaged, which transformers
+  folder with its manifest, `scheduler.pt`, `trainer_state.json`; those and the RNG state file
+  each rank reads readable: `damaged_file`, `rng_file`), skipping those of saves killed midway or damaged, which transformers
   would pick (and fail on, or restart at step 0 from), with one warning naming the folder taken
   and those skipped; a named folder that is not whole is one `CheckpointError` before anything is
   loaded.
@@ -257,7 +257,7 @@ def other_backend(folder: str) -> tuple[str, str] | None:
     return None
 
 
-def checkpoint_problem(folder: str) -> str | None:
+def checkpoint_problem(folder: str, rng: str = "rng_state.pth") -> str | None:
     """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
     model files, then the optimizer folder and the scheduler, and `trainer_state.json` last. A
     folder without canzona's optimizer state but another's (`optimizer.pt`, `other_backend`) is
@@ -282,7 +282,7 @@ def checkpoint_problem(folder: str) -> str | None:
             json.load(f)
     except (OSError, ValueError) as e:
         return f"an unreadable {TRAINER_STATE_FILE} ({type(e).__name__})"
-    return damaged_file(folder)
+    return damaged_file(folder, rng)
 
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # torch's weights-only error sets a phrase in bold
@@ -312,12 +312,21 @@ def read_resumed(folder: str, name: str) -> Any:
                               "a damaged file") from None
 
 
-def damaged_file(folder: str) -> Named | None:
+def rng_file(args: Any) -> str:
+    """The RNG state file the Trainer reads on this process (`_load_rng_state`): `rng_state.pth` at
+    world size 1, else `rng_state_<process_index>.pth` (a missing one only logged)."""
+    return "rng_state.pth" if args.world_size <= 1 else f"rng_state_{args.process_index}.pth"
+
+
+def damaged_file(folder: str, rng: str = "rng_state.pth") -> Named | None:
     """Why the first of the files the resume reads after the optimizer state (`read_resumed`) that
-    cannot be read is refused, or None. Read before anything of the checkpoint is loaded: else
-    torch's own error (a traceback) came at the Trainer's load, with the model's weights and the
-    optimizer state loaded already."""
-    for name in [SCHEDULER_FILE, *sorted(n for n in os.listdir(folder) if RNG_STATE_FILE.match(n))]:
+    cannot be read is refused, or None: `scheduler.pt`, and the RNG state file `rng` this process
+    reads (`rng_file`; others' are no concern of this run's, and a missing one only logged). Read
+    before anything of the checkpoint is loaded: else torch's own error (a traceback) came at the
+    Trainer's load, with the model's weights and the optimizer state loaded already."""
+    for name in (SCHEDULER_FILE, rng):
+        if name == rng and not os.path.isfile(os.path.join(folder, name)):
+            continue
         try:
             read_resumed(folder, name)
         except CheckpointError as e:
@@ -325,12 +334,13 @@ def damaged_file(folder: str) -> Named | None:
     return None
 
 
-def check_whole(folder: str) -> None:
+def check_whole(folder: str, rng: str = "rng_state.pth") -> None:
     """`resume_from_checkpoint=<folder>`: one `CheckpointError` before anything is loaded if it is
-    not a whole checkpoint (a save killed midway, a `save_only_model` one)."""
+    not a whole checkpoint (a save killed midway, a `save_only_model` one; `rng`: the RNG state
+    file this process reads)."""
     if not os.path.isdir(folder):
         return  # the Trainer's own error
-    problem = checkpoint_problem(folder)
+    problem = checkpoint_problem(folder, rng)
     if problem is None:
         return
     if not written_whole(os.path.join(folder, OPTIMIZER_DIR)) and \
@@ -348,13 +358,14 @@ def check_whole(folder: str) -> None:
                           "or resume_from_checkpoint=True for the latest whole one")
 
 
-def latest_checkpoint(output_dir: str) -> str:
+def latest_checkpoint(output_dir: str, rng: str = "rng_state.pth") -> str:
     """`resume_from_checkpoint=True`: the `checkpoint-<step>` of `output_dir` with the highest step
     among the whole ones (a save killed midway leaves its folder without trainer_state.json or
     without the optimizer state; transformers would pick it and fail, or start again at step 0)."""
     steps = [(int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
              if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
-    return latest_whole(output_dir, steps, checkpoint_problem, asked="resume_from_checkpoint=True",
+    return latest_whole(output_dir, steps, lambda folder: checkpoint_problem(folder, rng),
+                        asked="resume_from_checkpoint=True",
                         killed="a save killed midway",
                         none=f"resume_from_checkpoint=True: no checkpoint-<step> folder in {output_dir}")
 
@@ -448,13 +459,26 @@ class CanzonaTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; `resume_from_checkpoint=True` resumes from the latest whole checkpoint of
         `output_dir`, skipping the folders of saves killed midway (found by rank 0, the same on
-        every rank; none: one `CheckpointError` on every rank)."""
+        every rank; none: one `CheckpointError` on every rank). The RNG state file each rank reads
+        (`rng_file`) is checked by that rank, agreed on every rank: rank 0's in the search, the
+        others' in the folder taken (a damaged one is one `CheckpointError` on every rank)."""
+        rng = rng_file(self.args)
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            resume_from_checkpoint = Ranks().together(lambda: latest_checkpoint(self.args.output_dir),
+            resume_from_checkpoint = Ranks().together(lambda: latest_checkpoint(self.args.output_dir, rng),
                                                               rank0_only=True)[0]
         elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             path = os.fspath(resume_from_checkpoint)
-            Ranks().together(lambda: check_whole(path), rank0_only=True)
+            Ranks().together(lambda: check_whole(path, rng), rank0_only=True)
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
+            folder = os.fspath(resume_from_checkpoint)
+            ranks = Ranks()
+
+            def own_rng() -> None:
+                problem = damaged_file(folder, rng) if ranks.rank != 0 else None  # (rank 0's: checked above)
+                if problem is not None:
+                    raise CheckpointError(f"{folder}: {problem}")
+
+            ranks.together(own_rng)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # --- the accelerator and the model's place ----------------------------------------------
@@ -672,6 +696,13 @@ class CanzonaTrainer(Trainer):
         # read before the optimizer state is loaded (`train` checked it on rank 0 already): a file
         # this rank cannot read is one error on every rank, nothing loaded
         read: dict[str, Any] = {}
-        Ranks().together(lambda: read.__setitem__("state", read_resumed(checkpoint, SCHEDULER_FILE)))
+
+        def read_scheduler() -> None:
+            try:
+                read["state"] = read_resumed(checkpoint, SCHEDULER_FILE)
+            except CheckpointError as e:
+                raise CheckpointError(f"{checkpoint}: {e}") from None
+
+        Ranks().together(read_scheduler)
         load_optimizer(self.distributed_optimizer(), state)
         self.lr_scheduler.load_state_dict(read["state"])

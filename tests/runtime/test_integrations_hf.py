@@ -1564,7 +1564,7 @@ def test_a_damaged_scheduler_or_rng_file_is_refused_before_anything_is_loaded(tm
     check_whole(str(latest))  # whole
     data = (latest / "scheduler.pt").read_bytes()
     (latest / "scheduler.pt").write_bytes(data[: len(data) // 2])  # damaged: half of it
-    want = r"^scheduler\.pt cannot be read \(\w+: [^\n]*\): a damaged file$"
+    want = rf"^{re.escape(str(latest))}: scheduler\.pt cannot be read \(\w+: [^\n]*\): a damaged file$"
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(latest))} is not a whole CanzonaTrainer "
                                               r"checkpoint \(scheduler\.pt cannot be read \(") as e:
         check_whole(str(latest))
@@ -1631,6 +1631,44 @@ def test_a_scheduler_or_rng_file_torch_does_not_load_weights_only_is_named_as_su
             as e:
         read_resumed(str(tmp_path), "rng_state.pth")
     assert "\x1b" not in str(e.value), str(e.value)
+
+
+def test_only_the_rng_file_this_run_reads_is_checked_and_a_direct_load_names_its_folder(tmp_path, one_rank):
+    """The Trainer reads `rng_state.pth` at world size 1, else its own `rng_state_<process_index>.pth`
+    (`_load_rng_state`; a missing one is only logged). Before (review): every `rng_state*.pth` was
+    read, so a 4-rank checkpoint resumed on 1 rank was refused for a damaged rng_state_3.pth nobody
+    reads; and the optimizer's own load said "scheduler.pt cannot be read" without the folder.
+    Now each run checks only the file it reads (`rng_file`), and the direct load names the folder."""
+    from types import SimpleNamespace
+
+    from canzona.errors import CheckpointError
+    from canzona.integrations.hf import check_whole, latest_checkpoint, rng_file
+    from canzona.integrations.optimizer_state import save_optimizer
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon")
+    folder = tmp_path / "run" / "checkpoint-1"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text("{}")
+    torch.save({}, folder / "scheduler.pt")
+    save_optimizer(opt, str(folder / "canzona_optimizer"))
+    for r in range(4):
+        torch.save({"cpu": torch.random.get_rng_state()}, folder / f"rng_state_{r}.pth")
+    (folder / "rng_state_3.pth").write_bytes(b"not a torch file")
+    assert rng_file(SimpleNamespace(world_size=1, process_index=0)) == "rng_state.pth"
+    assert rng_file(SimpleNamespace(world_size=4, process_index=3)) == "rng_state_3.pth"
+    check_whole(str(folder))  # one rank: reads rng_state.pth (none here: the Trainer only logs it)
+    assert latest_checkpoint(str(tmp_path / "run")) == str(folder)
+    check_whole(str(folder), "rng_state_2.pth")
+    with pytest.raises(CheckpointError, match=r"\(rng_state_3\.pth cannot be read \("):
+        check_whole(str(folder), "rng_state_3.pth")
+    (folder / "scheduler.pt").write_bytes(b"not a torch file")
+    args = SimpleNamespace(world_size=1, process_index=0)
+    trainer = SimpleNamespace(args=args)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(folder))}: scheduler\.pt cannot be read \("):
+        CanzonaTrainer._load_optimizer_and_scheduler(trainer, str(folder))
 
 
 def test_resuming_from_save_only_model_checkpoints_says_so():
