@@ -1542,7 +1542,8 @@ def test_a_damaged_scheduler_or_rng_file_is_refused_before_anything_is_loaded(tm
     the scheduler's file before its state too."""
     import warnings
 
-    from transformers import TrainingArguments
+    from safetensors.torch import save_file
+    from transformers import TrainerState, TrainingArguments
 
     from canzona.errors import CheckpointError
     from canzona.integrations.hf import check_whole, latest_checkpoint
@@ -1556,10 +1557,12 @@ def test_a_damaged_scheduler_or_rng_file_is_refused_before_anything_is_loaded(tm
     for step in (1, 2):
         folder = tmp_path / "run" / f"checkpoint-{step}"
         folder.mkdir(parents=True)
-        (folder / "trainer_state.json").write_text("{}")
+        TrainerState(global_step=step, max_steps=10, train_batch_size=8).save_to_json(str(folder / "trainer_state.json"))
         torch.save(scheduler.state_dict(), folder / "scheduler.pt")
         torch.save({"cpu": torch.random.get_rng_state()}, folder / "rng_state.pth")
         save_optimizer(opt, str(folder / "canzona_optimizer"))
+        # the model's weights the Trainer loads first (other than the model's: a load would show)
+        save_file({k: v.detach() + 1 for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     latest = tmp_path / "run" / "checkpoint-2"
     check_whole(str(latest))  # whole
     data = (latest / "scheduler.pt").read_bytes()
