@@ -329,9 +329,11 @@ def module_links(holders: Holders, parents: Parents) -> Links:
 
 
 # a root the optimizer's names were given from, at construction: (the module, weakly, the prefix to
-# drop from an optimizer's name, the prefix to add): `name` is `add + name[len(drop):]` from the
-# root, wrapper components left out (`canonical_name`: a `torch.compile` wrapper's `_orig_mod.`)
-Roots = list[tuple["weakref.ref[nn.Module]", str, str]]
+# drop from an optimizer's name, the prefix to add, its tied names): `name` is `add + name[len(drop):]`
+# from the root, wrapper components left out (`canonical_name`: a `torch.compile` wrapper's
+# `_orig_mod.`); the tied names are the root's other names of the optimizer's parameters at
+# construction (a head tied to the embedding: `lm_head.weight` -> `embed.weight`)
+Roots = list[tuple["weakref.ref[nn.Module]", str, str, dict[str, str]]]
 
 
 class ModuleLinks:
@@ -414,7 +416,10 @@ def construction_roots(links: Links, params: Mapping[str, Tensor]) -> Roots:
             drop, add = ("", m[:len(m) - len(first)]) if m.endswith(first) else \
                 (first[:len(first) - len(m)], "") if first.endswith(m) else (None, None)
             if drop is not None and _resolves(root, drop, add, params, names) is None:
-                out.append((weakref.ref(root), drop, add))
+                by_id = {id(p): n for n, p in params.items()}
+                tied = {t: by_id[id(p)] for t, p in names.items()
+                        if id(p) in by_id and t != add + by_id[id(p)][len(drop):]}
+                out.append((weakref.ref(root), drop, add, tied))
                 break
         # a wrapper's one child holding them all (the model under a compile or DDP wrapper), in case
         # the wrapper goes while the model stays
@@ -424,25 +429,44 @@ def construction_roots(links: Links, params: Mapping[str, Tensor]) -> Roots:
     return out
 
 
-def _lost(roots: Roots, params: Mapping[str, Tensor]) -> tuple[str | None, bool, bool]:
+def _untied(tied: Mapping[str, str], params: Mapping[str, Tensor], names: Mapping[str, Tensor]) -> str | None:
+    """The first tied name of a root (`Roots`) that holds a tensor none of `params` now (a new head
+    in place of one tied to the embedding), or None. A tied name gone, or holding another of
+    `params`, trains nothing this optimizer does not step."""
+    mine = {id(p) for p in params.values()}
+    return next((t for t in tied if (q := names.get(t)) is not None and id(q) not in mine), None)
+
+
+def _lost(roots: Roots, params: Mapping[str, Tensor]) -> tuple[str | None, bool, bool, str | None]:
     """(the first of `params` not found from a live root of `roots` by its construction name, or
     None; whether all of `params` are still under a live root, by any name (then it moved); whether
-    any root lives). Each root's names are read once."""
-    live = [(r, d, a) for ref, d, a in roots if (r := ref()) is not None]
+    any root lives; a tied name of a root that holds a tensor none of `params` now, `_untied`, or
+    None). Each root's names are read once."""
+    live = [(r, d, a, t) for ref, d, a, t in roots if (r := ref()) is not None]
     if not live:
-        return None, True, False
-    wrong: str | None = None
+        return None, True, False, None
+    wrong = untied = None
     held: set[int] = set()
-    for root, drop, add in live:
+    for root, drop, add, tied in live:
         names = _canonical_params(root)
         held.update(id(p) for p in names.values())
         if wrong is None:
             wrong = _resolves(root, drop, add, params, names)
+        if untied is None:
+            untied = _untied(tied, params, names)
     if wrong is None:
-        return None, True, True
+        return None, True, True, untied
     # a parameter under no root at all first (replaced, dropped), else the first under another name
     gone = next((n for n, p in params.items() if id(p) not in held), None)
-    return gone or wrong, gone is None, True
+    return gone or wrong, gone is None, True, untied
+
+
+def in_place(roots: Roots, params: Mapping[str, Tensor]) -> bool:
+    """Whether every one of `params` is found from the live construction `roots` by its name, and
+    no tied name of theirs holds a tensor none of `params` (`_lost`): what a module holding one
+    of them that left the model (`replaced_parameter`'s holders) leaves to train as before."""
+    lost, _, rooted, untied = _lost(roots, params)
+    return rooted and lost is None and untied is None
 
 
 def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] | None = None,
@@ -471,7 +495,15 @@ def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] 
             changed.append((parent, attr, child, now))
     if not changed:
         return None
-    lost, kept, rooted = _lost(roots or [], params)
+    lost, kept, rooted, untied = _lost(roots or [], params)
+    if lost is None and untied is not None:  # a tied name holds a new tensor: a new head, untied
+        tied = next(t[untied] for *_, t in roots if untied in t)
+        parent, attr, _, now = next((c for c in changed if c[0] is not None and c[2] is not None and
+                                     any(q is params[tied] for q in c[2]._parameters.values())),
+                                    next((c for c in changed if c[0] is not None), changed[0]))
+        where = f"{type(parent).__name__}.{attr} now holds another module" if parent is not None else \
+            "its module's parent left the model"
+        return replaced_message(tied, f"{where}: {untied!r}, tied to it then, is another tensor")
     if not rooted:  # no live root: an old child that lives must have its parameters in the model
         reachable = {id(p) for root in _roots(links) for p in root.parameters()}
         mine = {id(p): n for n, p in params.items()}
@@ -542,7 +574,7 @@ def relinked(links: Links, params: Mapping[str, Tensor], roots: Roots | None = N
 
     out: Links = []
     done: set[int] = set()
-    todo = [r for ref, _, _ in roots or [] if (r := ref()) is not None] or _roots(links)
+    todo = [r for ref, *_ in roots or [] if (r := ref()) is not None] or _roots(links)
     while todo:
         module = todo.pop()
         if id(module) in done:
@@ -564,15 +596,36 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Mo
     `links` (`ModuleLinks`) catch a module replaced in a live parent while the old one lives on (a
     reference cycle gc has not collected yet, a reference of the user's), where the old module
     still holds the parameter; a child wrapped in place (an activation checkpoint wrapper holding
-    it) or moved with its parameters is no replacement (`links_changed`)."""
+    it) or moved with its parameters is no replacement (`links_changed`). A holder that left the
+    model (freed, or holding another tensor now) is no error either where the names say so
+    (`in_place`: a head tied to the embedding replaced by a new one tied to it again, a module
+    replaced by one holding the same Parameters): `holders` are then taken again from the roots,
+    so the verdict is the same whether gc freed the old module or not."""
     for name, refs in holders.items():
         p = params[name]
         for ref, attr in refs:
             module = ref()
             if module is None or module._parameters.get(attr) is not p:
+                if links is not None and in_place(links.roots, params):
+                    _rehold(holders, links.roots, params)
+                    break
                 where = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
                 return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")
     return links.changed(params, missed) if links is not None else None
+
+
+def _rehold(holders: Holders, roots: Roots, params: Mapping[str, Tensor]) -> None:
+    """`holders` taken again, in place, from the live `roots` down (`param_holders`' entries)."""
+    by_id = {id(p): n for n, p in params.items()}
+    found: Holders = {}
+    seen: set[int] = set()
+    for root in (r for ref, *_ in roots if (r := ref()) is not None):
+        for module in root.modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                add_holder(module, by_id, found)
+    holders.clear()
+    holders.update({n: found[n] for n in params if n in found})
 
 
 def dropped_message(name: str, how: str) -> str:

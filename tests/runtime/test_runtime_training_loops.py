@@ -1167,3 +1167,107 @@ def test_layers_wrapped_after_construction_get_one_verdict_whatever_gc_did(one_r
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     finally:
         gc.enable()
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding, two layers and a head tied to the embedding (`lm_head.weight is embed.weight`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.lm_head(x)
+
+
+def _replace_head(model, old_head: str, tie: bool) -> None:
+    """`model.lm_head` replaced by a new head, tied to the embedding again (`tie`) or not; the old
+    head freed at once, kept in a reference cycle gc has not collected, or kept by the user."""
+    from torch import nn
+
+    old = model.lm_head
+    if old_head == "in a cycle":
+        old.cycle = [old]
+    model.lm_head = nn.Linear(8, 16, bias=False)
+    if tie:
+        model.lm_head.weight = model.embed.weight
+    if old_head == "kept":
+        model.kept_outside = [old]  # a plain list: no module of the model's tree
+    del old
+
+
+def _tied_lm_optimizer():
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    torch.manual_seed(0)
+    model = _TiedLM()
+    return model, DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model))
+
+
+def _lm_step(model, opt, tokens):
+    opt.zero_grad()
+    model(tokens).pow(2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("old_head", ["freed", "in a cycle", "kept"])
+def test_a_new_head_untied_from_the_embedding_is_one_error_whatever_gc_did(one_rank, old_head):
+    """A model built with its head tied to the embedding, the head then replaced by a new untied
+    one (`model.lm_head = nn.Linear(...)`): the model trains the new head's weight, which this
+    optimizer never steps, and no longer trains the embedding through the head. One error saying
+    'embed.weight' was replaced, nothing updated, whatever became of the old head. Before: an error
+    only when the old head was freed at once; kept alive (a cycle, the user's reference) every
+    optimizer parameter was still found by its name, and it trained silently."""
+    import gc
+
+    from canzona.errors import CanzonaError
+
+    model, opt = _tied_lm_optimizer()
+    tokens = torch.randint(0, 16, (3, 5))
+    _lm_step(model, opt, tokens)
+    gc.disable()
+    try:
+        _replace_head(model, old_head, tie=False)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(CanzonaError, match=r"parameter 'embed\.weight' was replaced after the optimizer was built"):
+            _lm_step(model, opt, tokens)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("old_head", ["freed", "in a cycle", "in a cycle, collected after a step"])
+def test_a_new_head_tied_to_the_embedding_again_trains_as_before_whatever_gc_did(one_rank, old_head):
+    """The tied head replaced by a new one tied to the embedding again: the model trains what it
+    trained, every optimizer parameter where its name says, so the steps are bit for bit those of
+    the untouched model, whatever became of the old head (gc run between two steps too). Before:
+    the old head freed, one error ('embed.weight' was replaced: the module that held it was
+    gone); kept alive in a cycle, accepted until gc collected it, then the same error at the next
+    step."""
+    import gc
+
+    model, opt = _tied_lm_optimizer()
+    reference, ref_opt = _tied_lm_optimizer()
+    tokens = torch.randint(0, 16, (3, 5))
+    _lm_step(model, opt, tokens)
+    _lm_step(reference, ref_opt, tokens)
+    gc.disable()
+    try:
+        _replace_head(model, "freed" if old_head == "freed" else "in a cycle", tie=True)
+        for i in range(3):
+            _lm_step(model, opt, tokens)
+            _lm_step(reference, ref_opt, tokens)
+            if i == 0 and old_head.endswith("after a step"):
+                gc.collect()
+    finally:
+        gc.enable()
+    assert dict(reference.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    assert all(torch.equal(p, dict(reference.named_parameters())[n]) for n, p in model.named_parameters())
