@@ -420,7 +420,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # torch.distributed.checkpoint's get/set_optimizer_state_dict take an empty `state` for an
         # optimizer that never stepped and run a zero-gradient step to fill it (a collective, and
         # a change of momentum); this optimizer's state lives in its own structures
-        self.state = checkpoint.StateHeldElsewhere(self)
+        self.state = checkpoint.StateHeldElsewhere(weakref.proxy(self))  # weakly: no cycle (`_Weak`)
         checkpoint.label_groups(self)  # the keys torch's flattened state dict is rebuilt from
         self._configs = GroupConfigs(configs, group_matrices(self.param_groups, self.params, spec))
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
@@ -475,10 +475,10 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self._param_gather = PARAM_GATHERS[self.policy.param_gather]
         for grads in self._syncs():
             held = {n: h for n, h in holders.items() if n in grads.params}
-            grads.replaced_check = functools.partial(self._changed, functools.partial(
+            grads.replaced_check = functools.partial(_Weak(self, "_changed"), functools.partial(
                 replaced_parameter, grads.params, held, ModuleLinks(module_links(held, parents),
                                                                     {n: grads.params[n] for n in held}),
-                missed=grads.missed_gradients))
+                missed=_Weak(grads, "missed_gradients")))
         self._in_flight = self._params_in_flight(overlap_param_gather, holders, parents)
         # the model's weights loaded on some ranks only from now on: the next step compares them
         # (`canzona.runtime.model_loads`)
@@ -503,22 +503,25 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         if self._in_flight is not None:
             for grads in self._syncs():
                 grads.read_check = self._in_flight.check_read
+        unscale = _Weak(self, "_amp_unscale")  # one for every part: the guards tell their optimizer by it
         for grads in self._syncs():
-            grads.unscale = self._amp_unscale
+            grads.unscale = unscale
         # the dense check is global (under EP it carries the experts' norm): it reads every weight
-        self.grads.weights = lambda: [(n, local_tensor(p)) for n, p in self.params.items()]
+        params = self.params
+        self.grads.weights = lambda: [(n, local_tensor(p)) for n, p in params.items()]
         if any(is_dtensor(p) for p in self.params.values()):
             # GradScaler's one op over every `.grad` then mixes guards and DTensors wrapping guards,
             # which DTensor's dispatch takes and refuses ('got mixed torch.Tensor and DTensor'):
             # the op on these gradients comes to `_amp_unscale` through dtensor_amp's handler
             dtensor_amp.install(self)
         if overlap_step:
-            self.grads.early_work = functools.partial(self._speculate, self.matrix_step)
+            self.grads.early_work = functools.partial(_Weak(self, "_speculate"), self.matrix_step)
             if self.experts is not None:  # the experts' updates as their EDP buckets land
-                self.experts.grads.early_work = functools.partial(self._speculate, self.experts.matrix_step)
+                self.experts.grads.early_work = functools.partial(_Weak(self, "_speculate"), self.experts.matrix_step)
         elif self.schedule.prefetched:
             self.grads.early_work = self.matrix_step.prefetch
         _LIVE.add(self)
+        weakref.finalize(self, _unhook, [h for grads in self._syncs() for h in grads._hooks])
 
     # --- construction helpers ----------------------------------------------------------------
 
@@ -1273,6 +1276,39 @@ def _parameters_checksum(params: Mapping[str, Tensor]) -> PartsDigest:
     digest = PartsDigest(hashlib.sha256(blob).hexdigest())
     digest.parts = tuple((n, blob[16 * i:16 * i + 16].hex()) for i, n in enumerate(params))
     return digest
+
+
+class _Weak:
+    """A method of the optimizer (or of its `GradientSync`), called through a weak reference: what
+    its parts are handed (the step's checks, GradScaler's unscale, the early work) holds no cycle
+    back to it, so the last reference dropped (`del opt`) frees it at once, without gc, and its
+    hooks with it (`_unhook`, and its parts' own finalizers: the parameter all-gathers' module hooks,
+    the load hooks)."""
+
+    __slots__ = ("_owner", "_method")
+
+    def __init__(self, owner: object, method: str) -> None:
+        self._owner = weakref.ref(owner)
+        self._method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._owner()
+        if owner is None:
+            raise ReferenceError(f"the owner of {self._method} is gone")
+        return getattr(owner, self._method)(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:  # as bound methods compare: the same owner's same method
+        return isinstance(other, _Weak) and self._owner == other._owner and self._method == other._method
+
+    def __hash__(self) -> int:
+        return hash((self._owner, self._method))
+
+
+def _unhook(handles: list) -> None:
+    """The gradient hooks of a dropped optimizer removed (`weakref.finalize`): before, they stayed on
+    the parameters for good, one more per optimizer built over the same model."""
+    for handle in handles:
+        handle.remove()
 
 
 # every DistributedOptimizer built and not yet collected: the storage of its parameters is its own

@@ -1271,3 +1271,50 @@ def test_a_new_head_tied_to_the_embedding_again_trains_as_before_whatever_gc_did
         gc.enable()
     assert dict(reference.named_parameters()).keys() == dict(model.named_parameters()).keys()
     assert all(torch.equal(p, dict(reference.named_parameters())[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"overlap_step": True}], ids=["default", "overlap_step"])
+def test_an_optimizer_dropped_takes_its_hooks_with_it_without_gc(one_rank, kwargs):
+    """An optimizer dropped (`del opt`, gc disabled: a notebook's rebuild, an LR-finder sweep) is
+    freed at once, its hooks with it: no gradient hook left on a parameter, no forward, state-dict
+    or load hook on a module; a second one over the same model then trains bit for bit as torch's
+    AdamW. Before: the optimizer's parts referred back to it (its checks held its bound methods),
+    so only gc freed it, its module hooks staying until then, and its parameters' gradient hooks
+    were never removed (one more per optimizer built, firing at every backward)."""
+    import gc
+    import weakref
+
+    from canzona.runtime import DistributedOptimizer
+    from reference.data import fixed_batch
+    from reference.tiny_model import TinyQwen3
+
+    mine, theirs = TinyQwen3("tiny", seed=0), TinyQwen3("tiny", seed=0)
+    tokens = fixed_batch(256, 2, 16, seed=3)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):  # two dropped in turn
+            opt = DistributedOptimizer(mine.named_parameters(), mine.spec(), **kwargs)  # Muon
+            gone = weakref.ref(opt)
+            mine.loss(tokens).backward()
+            opt.step()
+            opt.zero_grad()
+            del opt
+            assert gone() is None, "the dropped optimizer is still alive"
+            assert not any(p._post_accumulate_grad_hooks for p in mine.parameters())
+            assert not any(m._forward_pre_hooks or m._state_dict_pre_hooks or m._load_state_dict_pre_hooks or
+                           m._load_state_dict_post_hooks for m in mine.modules())
+        with torch.no_grad():
+            for p, q in zip(mine.parameters(), theirs.parameters()):
+                q.copy_(p)
+        opt = DistributedOptimizer(mine.named_parameters(), mine.spec(), "adamw", overlap_param_gather=False)
+        torch_opt = torch.optim.AdamW(theirs.parameters())
+        for _ in range(3):
+            for model, o in ((mine, opt), (theirs, torch_opt)):
+                o.zero_grad()
+                model.loss(tokens).backward()
+                o.step()
+        assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in mine.parameters())
+        assert all(torch.equal(p, q) for p, q in zip(mine.parameters(), theirs.parameters()))
+    finally:
+        gc.enable()
