@@ -366,7 +366,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         super().__init__(param_groups, {})
         self.defaults = defaults_of(configs)
         # torch's checkpoint API runs no zero-gradient step; its flattened form finds the fields
-        self.state = StateHeldElsewhere(self)
+        self.state = StateHeldElsewhere(weakref.proxy(self))  # weakly: `del opt` frees it without gc
         label_groups(self)
         self._configs = GroupConfigs(configs, group_matrices(self.param_groups, self.params, spec))
         group_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}

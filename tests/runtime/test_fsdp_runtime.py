@@ -614,7 +614,7 @@ def small_worker(rank: int, world: int, cases: dict[str, dict]) -> dict[str, dic
 
 
 def rebuilt_hooks(world: int) -> dict[str, Any]:
-    """Small under fully_shard: an optimizer built, stepped once and dropped (`del`, gc), then
+    """Small under fully_shard: an optimizer built, stepped once and dropped (`del`, gc disabled), then
     another built on the same model: the post-accumulate-grad hooks on each parameter after each
     build and after the drop, and whether the first optimizer is gone."""
     import gc
@@ -634,9 +634,12 @@ def rebuilt_hooks(world: int) -> dict[str, Any]:
     model(small_batch(0, torch.distributed.get_rank())).backward()
     opt.step()
     gone = weakref.ref(opt)
-    del opt
-    gc.collect()
-    out["dropped"], out["gone"] = hooks(), gone() is None
+    gc.disable()  # dropped without gc: freed by its reference count
+    try:
+        del opt
+        out["dropped"], out["gone"] = hooks(), gone() is None
+    finally:
+        gc.enable()
     again = DistributedOptimizer(model.named_parameters(), small_spec(), "muon", MUON)
     out["rebuilt"] = hooks()
     del again
@@ -1361,10 +1364,11 @@ def test_fsdp_cpu_offload_trains_as_without_and_gets_no_arrival_hook(case: str) 
         assert compare(r["params"], want)["bit_identical"]
 
 def test_fsdp_an_optimizer_dropped_takes_its_arrival_hooks_with_it() -> None:
-    """An optimizer built, stepped, dropped (`del`, gc), then another built on the same model: one
-    post-accumulate-grad hook per parameter after each build, none between. Before: the dropped
-    optimizer's hooks stayed on the parameters (two after the second build), each run by every
-    backward after."""
+    """An optimizer built, stepped, dropped (`del`, gc disabled), then another built on the same
+    model: the dropped one freed at once, one post-accumulate-grad hook per parameter after each
+    build, none between. Before: the dropped optimizer's hooks stayed on the parameters (two after
+    the second build), each run by every backward after; and until 2026-12-03 (second fix) it
+    lived on until gc ran (its checks held its bound methods), its hooks with it."""
     for r in _small()["rebuilt"]:
         assert r["gone"]
         assert r["built"] == r["rebuilt"] == [1] * 6 and r["dropped"] == [0] * 6, r
