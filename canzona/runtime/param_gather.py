@@ -606,11 +606,12 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Mo
         for ref, attr in refs:
             module = ref()
             if module is None or module._parameters.get(attr) is not p:
-                if links is not None and in_place(links.roots, params):
-                    _rehold(holders, links.roots, params)
-                    break
-                where = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
-                return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")
+                if links is None or not in_place(links.roots, params):
+                    where = f"{type(module).__name__}.{attr}" if module is not None else \
+                        f"the module that held it ({attr})"
+                    return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")
+                _rehold(holders, links.roots, params)  # the walk over them ends here
+                return links.changed(params, missed)
     return links.changed(params, missed) if links is not None else None
 
 
