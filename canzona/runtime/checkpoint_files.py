@@ -26,8 +26,8 @@ crafted one names. This module keeps DCP's format and adds:
   whose manifest is consistent.
 - `verified_reader(folder)` (collective): the reader to give `dcp.load`: a `save_checkpoint` folder
   verified against its manifest, a plain `dcp.save` folder's `.metadata` read and checked against
-  its files on every rank (none, a shard cut short or missing: one `CheckpointError` on every rank
-  before `dcp.load` reads anything).
+  its files on every rank (none, a shard cut short or missing, ranks given folders of different
+  saves: one `CheckpointError` on every rank before `dcp.load` reads anything).
 - `latest_checkpoint(directory)`: the `step_K` folder with the largest K among the complete ones.
 
 What remains trusted: the contents. A consistent checkpoint made by someone else can hold any
@@ -475,7 +475,9 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     rank, nothing read). A folder without a manifest (a plain `dcp.save`, an older canzona's) has
     its `.metadata` read and checked against the files on every rank here (`_check_plain`: none,
     an entry outside the files present, a shard cut short or missing: one `CheckpointError` on
-    every rank, nothing read); the reader still runs no code. Not caught there: a save killed over
+    every rank, nothing read), and the ranks' `.metadata` compared (sha256; ranks given folders of
+    different saves: one `CheckpointError` on every rank); the reader keeps the bytes checked and
+    unpickles those alone, and still runs no code. Not caught there: a save killed over
     an older one that left whole new shards beside old ones (sizes alike), or a flipped bit
     (`save_checkpoint` folders are checked by sha256). Give it to `dcp.load(state_dict,
     storage_reader=...)` for a plain folder of `opt.state_dict()` or `get_optimizer_state_dict`'s.
@@ -493,21 +495,29 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     manifested = first.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
     if not manifested:
         reader = SafeFileSystemReader(folder)
-        first.together(lambda: _check_plain(reader))  # every rank its own read: one error on all
+        # every rank its own read: one error on all; and one save on all (a path that differs by
+        # rank, node-local copies of two saves, would each pass, each rank loading its own)
+        every = first.together(lambda: _check_plain(reader))
+        others = [r for r, digest in enumerate(every) if digest != every[0]]
+        if others:
+            raise CheckpointError(f"{folder}: rank(s) {others} were given another checkpoint than rank 0's (their "
+                                  f"{METADATA} differs): every rank must load the same save")
         return reader
     return SafeFileSystemReader(folder, _verify_together(ranks, Path(folder), expect))
 
 
-def _check_plain(reader: SafeFileSystemReader) -> None:
+def _check_plain(reader: SafeFileSystemReader) -> str:
     """A folder without a manifest (a plain `dcp.save`), before `dcp.load` reads anything of it:
     its `.metadata` there (DCP writes it last: none, a save killed or still writing), read safely,
     and every entry inside the files present (a shard cut short or missing: one line here, where
-    `dcp.load` raises its CheckpointException of tracebacks)."""
+    `dcp.load` raises its CheckpointException of tracebacks). Returns the sha256 of the `.metadata`
+    bytes checked (which the reader keeps and unpickles): the save's identity, compared by the
+    ranks (DCP's `save_id` is in those bytes)."""
     folder = Path(reader.path)
     if folder.is_dir() and not (folder / METADATA).exists():  # no folder at all: `read_metadata` says so
         raise CheckpointError(f"{reader.path}: no {METADATA}, not loaded: not a finished DCP checkpoint "
                               "(a save killed or still writing), or no checkpoint")
-    reader.read_metadata()
+    return hashlib.sha256(reader.checked_metadata_bytes()).hexdigest()
 
 
 def is_complete(folder: str | os.PathLike) -> bool:
@@ -641,23 +651,37 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def __init__(self, path: str | os.PathLike, manifest: Manifest | None = None) -> None:
         super().__init__(path)
         self.manifest = manifest
+        self._checked: bytes | None = None  # the `.metadata` bytes read and checked, unpickled by read_metadata
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id and Path(checkpoint_id) != Path(self.path):
+            self._checked = None
+        super().reset(checkpoint_id)
+
+    def checked_metadata_bytes(self) -> bytes:
+        """`.metadata`'s bytes, read once and checked (against the manifest's sha256 where there is
+        one; every entry inside the checkpoint's files): what every `read_metadata` unpickles, so
+        that a `.metadata` replaced after the check is never read."""
+        if self._checked is None:
+            folder = Path(self.path)
+            path = folder / METADATA
+            try:
+                data = path.read_bytes()
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+            if self.manifest is not None:
+                entry = self.manifest.files[METADATA]
+                if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
+                    raise CheckpointError(f"{path}: differs from the manifest (sha256), not loaded")
+                sizes = {name: e.size for name, e in self.manifest.files.items()}
+            else:
+                sizes = {p.name: p.lstat().st_size for p in folder.iterdir() if p.is_file() and not p.is_symlink()}
+            _check_metadata(_load_metadata(data, path), path, sizes)
+            self._checked = data
+        return self._checked
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never falls back to rank-local files
-        folder = Path(self.path)
-        path = folder / METADATA
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-        if self.manifest is not None:
-            entry = self.manifest.files[METADATA]
-            if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
-                raise CheckpointError(f"{path}: differs from the manifest (sha256), not loaded")
-            sizes = {name: e.size for name, e in self.manifest.files.items()}
-        else:
-            sizes = {p.name: p.lstat().st_size for p in folder.iterdir() if p.is_file() and not p.is_symlink()}
-        metadata = _load_metadata(data, path)
-        _check_metadata(metadata, path, sizes)
+        metadata = _load_metadata(self.checked_metadata_bytes(), Path(self.path) / METADATA)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -138,12 +138,35 @@ def _killed_while_writing(rank: int, world: int, root: Path) -> None:
     save_checkpoint(state(rank, 2), root / "step_1", manifest_info={"step": 1})
 
 
+def _plain_folders_of_two_saves(rank: int, root: Path) -> dict[str, str]:
+    """Each rank given its own plain `dcp.save` folder (node-local copies of two saves: rank 0 the
+    save of step 1, rank 1 that of step 2), then both the same one: what each `dcp.load` through
+    `verified_reader` did."""
+    for step in (1, 2):
+        if rank == 0:
+            dcp.save({"w": torch.full((4,), float(step)), "step": step}, checkpoint_id=root / f"plain_{step}",
+                     no_dist=True)
+    dist.barrier()
+    done = {}
+    for case, folder in (("two saves", root / f"plain_{rank + 1}"), ("one save", root / "plain_2")):
+        holder = {"w": torch.zeros(4), "step": 0}
+        try:
+            dcp.load(holder, storage_reader=checkpoint_files.verified_reader(folder))
+            done[case] = f"loaded step {holder['step']}"
+        except BaseException as e:  # noqa: BLE001 - what it was is the point
+            done[case] = f"{type(e).__name__}: {e}"
+    return done
+
+
 def _replace_then_get_killed(rank: int, world: int, root: str) -> None:
-    """Both scenarios in one spawn (a spawn costs seconds): the first one's observations go to a
-    file, since the second one ends with the ranks killed."""
+    """The scenarios in one spawn (a spawn costs seconds): the first ones' observations go to
+    files, since the last one ends with the ranks killed."""
     seen = _replace_while_watching(rank, Path(root) / "replaced")
     if rank == 0:
         (Path(root) / "seen.json").write_text(json.dumps(seen))
+    (Path(root) / "plain").mkdir(exist_ok=True)
+    plain = _plain_folders_of_two_saves(rank, Path(root) / "plain")
+    (Path(root) / f"plain{rank}.json").write_text(json.dumps(plain))
     (Path(root) / "killed").mkdir(exist_ok=True)
     dist.barrier()
     _killed_while_writing(rank, world, Path(root) / "killed")
@@ -158,7 +181,8 @@ def spawned(tmp_path_factory) -> dict:
     except CanzonaError as e:
         ending = str(e)
     seen = json.loads((root / "seen.json").read_text()) if (root / "seen.json").exists() else {}
-    return {"replaced": root / "replaced", "killed": root / "killed", "ending": ending, **seen}
+    plain = [json.loads(f.read_text()) for f in sorted(root.glob("plain?.json"))]
+    return {"replaced": root / "replaced", "killed": root / "killed", "ending": ending, "plain": plain, **seen}
 
 
 @pytest.mark.distributed
@@ -189,6 +213,20 @@ def test_a_save_killed_midway_leaves_the_old_checkpoint_whole(spawned):
     save_alone(root / "step_1", 5, step=1)  # the next save of the name
     assert version_of(root / "step_1") == 5
     assert sorted(p.name for p in root.iterdir()) == ["rank0-wrote", "step_1"]
+
+
+@pytest.mark.distributed
+def test_ranks_given_plain_folders_of_two_saves_are_refused_on_every_rank(spawned):
+    """`verified_reader` of a plain `dcp.save` folder (no manifest), each rank given another save's
+    (node-local copies of two saves). Before: each rank checked its own `.metadata` alone, and each
+    loaded its own save silently (rank 0 step 1, rank 1 step 2). Now the ranks compare their
+    `.metadata` (sha256): one `CheckpointError` on both; the same save on both loads."""
+    assert len(spawned["plain"]) == 2, spawned["ending"]
+    for rank, done in enumerate(spawned["plain"]):
+        assert done["one save"] == "loaded step 2", done
+        text = done["two saves"]
+        assert text.startswith("CheckpointError: ") and "\n" not in text, text
+        assert f"plain_{rank + 1}: rank(s) [1] were given another checkpoint than rank 0's" in text, text
 
 
 # --- integrity: checked before anything is unpickled -------------------------------------------
@@ -521,3 +559,36 @@ def test_a_damaged_plain_dcp_folder_is_one_line_before_anything_loads(case, one_
         else "not a file of this checkpoint"
     assert expect in text, text
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
+
+
+def test_the_verified_reader_unpickles_the_metadata_it_checked(one_rank, plain_saves, tmp_path, monkeypatch):
+    """`verified_reader` reads `.metadata` once, checks those bytes, and its `read_metadata`
+    unpickles exactly them (a `.metadata` replaced or removed after the check changes nothing),
+    and `load_sharded_state_dict(folder)` reads it once per rank. Before: every `read_metadata`
+    read the file again (three times per rank in `load_sharded_state_dict`), and `dcp.load` used
+    whatever was there by then."""
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    good, _, _ = plain_saves
+    folder = tmp_path / "plain"
+    shutil.copytree(good, folder)
+    reader = verified_reader(folder)
+    checked = (folder / ".metadata").read_bytes()
+    (folder / ".metadata").unlink()
+    assert pickle.dumps(reader.read_metadata().state_dict_metadata) == \
+        pickle.dumps(pickle.loads(checked).state_dict_metadata)
+
+    opt = _stepped_optimizer(1)
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=str(tmp_path / "sharded"))
+    reads = []
+    read_bytes = Path.read_bytes
+
+    def counted(path):
+        reads.append(path.name)
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", counted)
+    fresh = _stepped_optimizer(0)
+    fresh.load_sharded_state_dict(str(tmp_path / "sharded"))
+    assert reads.count(".metadata") == 1, reads
+    assert torch.equal(fresh.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
