@@ -101,6 +101,7 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.kernels import (
+    StepBetas,
     Update,
     adamw_step_,
     apply_update_,
@@ -1053,6 +1054,7 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
                 local.copy_(target)
 
     def _adamw_step(self, got: Mapping[str, bool]) -> None:
+        betas: dict[int, StepBetas] = {}  # a group's, read once this step: beta1 cast once, not per parameter
         for n in self.elementwise_names:
             if not got[n]:
                 continue
@@ -1062,8 +1064,10 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
             g = self._group_of[n]
             target = update_target(self.master.get(n), local)
             grad = self._grad(n)
+            if g not in betas:
+                betas[g] = StepBetas(group_betas(self.param_groups[g]))
             adamw_step_(target.view(-1), grad.reshape(-1), self.adamw_state.setdefault(n, {}), self.group_config(g),
-                        group_lr(self.param_groups[g]), group_betas(self.param_groups[g]))
+                        group_lr(self.param_groups[g]), betas[g])
             if target is not local:
                 local.copy_(target)
 

@@ -470,20 +470,42 @@ def adamw_initial_state(grad: Tensor, cfg: AdamWConfig) -> State:
     return adamw_state(grad)
 
 
+class StepBetas:
+    """A group's AdamW betas for one step (`groups.group_betas`'s), given to `adamw_step_` for each
+    of the group's pieces: a tensor beta1 is cast to the moments' device and dtype once per (device,
+    dtype), `non_blocking`, as torch.optim.AdamW's single-tensor step casts it once (its
+    `beta1_dict`), not once per piece (CPU betas of CUDA parameters: a blocking copy each)."""
+
+    def __init__(self, betas: tuple[Any, Any]) -> None:
+        self.beta1, self.beta2 = betas
+        self._beta1_as: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+    def beta1_as(self, like: Tensor) -> Any:
+        """beta1 for the lerp of `like` (a moment): a tensor in its device and dtype, or the number."""
+        if not isinstance(self.beta1, Tensor):
+            return self.beta1
+        key = (like.device, like.dtype)
+        cast = self._beta1_as.get(key)
+        if cast is None:
+            cast = self._beta1_as[key] = self.beta1.to(device=like.device, dtype=like.dtype, non_blocking=True)
+        return cast
+
+
 def adamw_step_(param: Tensor, grad: Tensor, state: State, cfg: AdamWConfig, lr: float,
-                betas: tuple[Any, Any] | None = None) -> None:
+                betas: tuple[Any, Any] | StepBetas | None = None) -> None:
     """torch.optim.AdamW's single-tensor step, in the same operation order. `betas`: the group's
-    as given (`groups.group_betas`; None: `cfg.betas`): a 0-d tensor beta computes as torch's step
-    computes with it (beta1 in the state's dtype for the lerp, the bias corrections in its dtype)."""
+    as given (`groups.group_betas`, or a `StepBetas` of them shared by the group's pieces in a
+    step; None: `cfg.betas`): a 0-d tensor beta computes as torch's step computes with it (beta1 in
+    the state's dtype for the lerp, the bias corrections in its dtype)."""
     if "step" not in state:
         state.update(adamw_state(param))
-    beta1, beta2 = cfg.betas if betas is None else betas
+    given = StepBetas(cfg.betas if betas is None else betas) if not isinstance(betas, StepBetas) else betas
+    beta1, beta2 = given.beta1, given.beta2
     state["step"] += 1
     step = state["step"]
     param.mul_(1 - lr * cfg.weight_decay)
     exp_avg = state["exp_avg"]
-    lerp_beta1 = beta1.to(device=exp_avg.device, dtype=exp_avg.dtype) if isinstance(beta1, Tensor) else beta1
-    exp_avg.lerp_(grad, 1 - lerp_beta1)
+    exp_avg.lerp_(grad, 1 - given.beta1_as(exp_avg))
     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     step_size = lr / (1 - beta1**step)
     denom = (state["exp_avg_sq"].sqrt() / (1 - beta2**step) ** 0.5).add_(cfg.eps)

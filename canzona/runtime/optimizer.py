@@ -90,7 +90,14 @@ from canzona.runtime.groups import (
     user_groups,
 )
 from canzona.runtime.hf_tp import check_tp_styles
-from canzona.runtime.kernels import adamw_step_, autocast_off, eager_only, run_step, update_target
+from canzona.runtime.kernels import (
+    StepBetas,
+    adamw_step_,
+    autocast_off,
+    eager_only,
+    run_step,
+    update_target,
+)
 from canzona.runtime.mesh import DP, TP, axis_groups, build_mesh
 from canzona.runtime.model_loads import (
     LOADED_ADVICE,
@@ -1096,6 +1103,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         self._adamw_pieces(self.adamw_parts(), lambda name: got[self._index[name]])
 
     def _adamw_pieces(self, pieces: Iterable[Piece], got: Callable[[str], bool]) -> None:
+        betas: dict[int, StepBetas] = {}  # a group's, read once this step: beta1 cast once, not per piece
         for piece in pieces:
             name = piece.name
             if got(name):
@@ -1104,8 +1112,10 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                 state = self.adamw_state.setdefault(name, {})
                 data = piece.buffer.data[piece.start:piece.end]
                 target = self._master_for(name, data)
+                if g not in betas:
+                    betas[g] = StepBetas(group_betas(group))
                 adamw_step_(target, piece.buffer.reduced[piece.start:piece.end], state, self.group_config(g),
-                            group_lr(group), group_betas(group))
+                            group_lr(group), betas[g])
                 if self.master_weights:
                     data.copy_(target)
 

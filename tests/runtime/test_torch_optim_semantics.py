@@ -142,6 +142,35 @@ def test_the_adamw_kernel_with_tensor_betas_is_torch_adamws_step(dtype, betas_dt
         assert torch.equal(mine, theirs.detach())
 
 
+def test_tensor_betas_are_cast_once_per_group_and_step_bit_for_bit_as_torch_adamw(one_rank, monkeypatch):
+    """float64 tensor betas in a group of float32 parameters (as CPU betas for CUDA parameters):
+    beta1 is cast to the moments' device and dtype once per group and step, as torch.optim.AdamW's
+    single-tensor step casts it once per (device, dtype) (its `beta1_dict`), and the weights are
+    torch's bit for bit. Before: `adamw_step_` cast it for every AdamW piece (a blocking host-to-
+    device copy per piece per step on CUDA)."""
+    mine, theirs = TinyQwen3("tiny", seed=0), TinyQwen3("tiny", seed=0)
+    betas = (torch.tensor(0.9, dtype=torch.float64), torch.tensor(0.999, dtype=torch.float64))
+    opt = DistributedOptimizer([{"params": list(mine.named_parameters()), "betas": betas}], mine.spec(), "adamw",
+                               overlap_param_gather=False)
+    ref = torch.optim.AdamW(list(theirs.parameters()), betas=betas, foreach=False)
+    casts = []
+    to = torch.Tensor.to
+
+    def counted(self, *args, **kwargs):
+        if self is betas[0]:
+            casts.append(kwargs.get("dtype"))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", counted)
+    tokens = fixed_batch(256, 2, 8, seed=3)
+    for _ in range(2):
+        _step(mine, [opt], tokens)
+        _step(theirs, [ref], tokens)
+        assert _same(mine, theirs)
+    # torch's step and ours, once a step each (before: ours once for each of the 24 parameters)
+    assert casts == [torch.float32] * 4, casts
+
+
 STEPS = 4
 EDITED_BETAS = (0.8, 0.99)
 
