@@ -473,7 +473,8 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     against its manifest first when it has one (`verify_checkpoint`, the ranks sharing the hashing:
     a damaged file or one from another save of the same size is one `CheckpointError` on every
     rank, nothing read). A folder without a manifest (a plain `dcp.save`, an older canzona's) has
-    its `.metadata` read and checked against the files on every rank here (`_check_plain`: none,
+    its `.metadata` read and checked against the files (symlinks followed, as `dcp.load` follows
+    them: a `snapshot_download` or `cp -rs` copy) on every rank here (`_check_plain`: none,
     an entry outside the files present, a shard cut short or missing: one `CheckpointError` on
     every rank, nothing read), and the ranks' `.metadata` compared (sha256; ranks given folders of
     different saves: one `CheckpointError` on every rank); the reader keeps the bytes checked and
@@ -616,6 +617,20 @@ def _check_metadata(metadata: Metadata, path: Path, sizes: Mapping[str, int]) ->
                 raise bad(f"entry {key!r} has a chunk outside its tensor")
 
 
+def _regular_file_sizes(folder: Path) -> dict[str, int]:
+    """The regular files in `folder` by name, with their sizes, symlinks followed (a link to
+    nothing or to a folder is no file)."""
+    sizes = {}
+    for p in folder.iterdir():
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            sizes[p.name] = st.st_size
+    return sizes
+
+
 class _PlainDataPlanner:
     """A load planner's proxy for `SafeFileSystemReader.read_data`: a non-tensor entry is loaded
     with `weights_only` (plain data and tensors only) and handed to the planner re-serialised from
@@ -674,8 +689,8 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
                     raise CheckpointError(f"{path}: differs from the manifest (sha256), not loaded")
                 sizes = {name: e.size for name, e in self.manifest.files.items()}
-            else:
-                sizes = {p.name: p.lstat().st_size for p in folder.iterdir() if p.is_file() and not p.is_symlink()}
+            else:  # symlinks followed, as dcp.load reads them (snapshot_download's layout, `cp -rs`)
+                sizes = _regular_file_sizes(folder)
             _check_metadata(_load_metadata(data, path), path, sizes)
             self._checked = data
         return self._checked

@@ -592,3 +592,25 @@ def test_the_verified_reader_unpickles_the_metadata_it_checked(one_rank, plain_s
     fresh.load_sharded_state_dict(str(tmp_path / "sharded"))
     assert reads.count(".metadata") == 1, reads
     assert torch.equal(fresh.state_dict()["state"][0]["momentum_buffer"], opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_a_plain_dcp_folder_of_symlinks_loads_through_the_verified_reader(one_rank, plain_saves, tmp_path):
+    """A plain `dcp.save` folder whose files are symlinks (`huggingface_hub.snapshot_download`'s
+    layout, `cp -rs`), as plain `dcp.load` reads it: its shards are followed and loaded. Before:
+    refused, 'stored in '__0_0.distcp', not a file of this checkpoint'. A link to nothing is a
+    missing shard still."""
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    good, _, momentum = plain_saves
+    links = tmp_path / "links"
+    links.mkdir()
+    for f in good.iterdir():
+        (links / f.name).symlink_to(f)
+    template = {"optim": {"state": {0: {"momentum_buffer": torch.zeros_like(momentum)}}}}
+    dcp.load(template, storage_reader=verified_reader(links))
+    assert torch.equal(template["optim"]["state"][0]["momentum_buffer"], momentum)
+    first = sorted(links.glob("*.distcp"))[0]
+    first.unlink()
+    first.symlink_to(tmp_path / "nothing")
+    with pytest.raises(CheckpointError, match=f"stored in '{first.name}', not a file of this checkpoint"):
+        verified_reader(links)
