@@ -581,7 +581,8 @@ def _load_metadata(data: bytes, path: Path) -> Metadata:
 
 def _check_metadata(metadata: Metadata, path: Path, sizes: Mapping[str, int]) -> None:
     """Every entry lies inside the checkpoint's files, and no tensor is larger than the bytes
-    stored for it (a crafted size would otherwise allocate it)."""
+    stored for it (a crafted size would otherwise allocate it), unless it is stored through a
+    stream transform (`FileSystemWriter(_extensions=[ZStandard()])`: its compressed length)."""
 
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path}: malformed DCP metadata, not loaded ({why})")
@@ -590,6 +591,7 @@ def _check_metadata(metadata: Metadata, path: Path, sizes: Mapping[str, int]) ->
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise bad("no entries or storage")
     stored: dict[str, int] = {}
+    transformed: set[str] = set()  # stored through a stream transform (FileSystemWriter's _extensions): compressed
     for index, where in storage.items():
         if not isinstance(index, MetadataIndex) or not isinstance(where, _StorageInfo) or not isinstance(index.fqn, str):
             raise bad("a storage record of the wrong type")
@@ -598,6 +600,12 @@ def _check_metadata(metadata: Metadata, path: Path, sizes: Mapping[str, int]) ->
             raise bad(f"entry {index.fqn!r} is stored in {name!r}, not a file of this checkpoint")
         if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 or offset + length > sizes[name]:
             raise bad(f"entry {index.fqn!r} lies outside {name}")
+        descriptors = getattr(where, "transform_descriptors", None)
+        if descriptors is not None and (not isinstance(descriptors, (list, tuple))
+                                        or not all(isinstance(d, str) for d in descriptors)):
+            raise bad(f"entry {index.fqn!r} has malformed transform descriptors")
+        if descriptors:
+            transformed.add(index.fqn)
         stored[index.fqn] = stored.get(index.fqn, 0) + length
     for key, entry in entries.items():
         if not isinstance(key, str) or key not in stored:
@@ -609,7 +617,7 @@ def _check_metadata(metadata: Metadata, path: Path, sizes: Mapping[str, int]) ->
         size, dtype = entry.size, getattr(entry.properties, "dtype", None)
         if not isinstance(size, torch.Size) or not isinstance(dtype, torch.dtype) or any(d < 0 for d in size):
             raise bad(f"entry {key!r} has no valid size and dtype")
-        if math.prod(size) * dtype.itemsize > stored[key]:
+        if key not in transformed and math.prod(size) * dtype.itemsize > stored[key]:
             raise bad(f"entry {key!r} claims {list(size)} {dtype} but stores {stored[key]} bytes")
         for chunk in entry.chunks:
             if not isinstance(chunk, ChunkStorageMetadata) or len(chunk.offsets) != len(size) or any(
@@ -663,8 +671,9 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     unpickles are checked against the manifest's sha256 first. Rank-local metadata (DCP saves
     without collectives) is not read."""
 
-    def __init__(self, path: str | os.PathLike, manifest: Manifest | None = None) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike, manifest: Manifest | None = None, *,
+                 _extension_registry: Any = None) -> None:
+        super().__init__(path, _extension_registry=_extension_registry)
         self.manifest = manifest
         self._checked: bytes | None = None  # the `.metadata` bytes read and checked, unpickled by read_metadata
 

@@ -614,3 +614,71 @@ def test_a_plain_dcp_folder_of_symlinks_loads_through_the_verified_reader(one_ra
     first.symlink_to(tmp_path / "nothing")
     with pytest.raises(CheckpointError, match=f"stored in '{first.name}', not a file of this checkpoint"):
         verified_reader(links)
+
+
+def _zlib_extension():
+    """A DCP stream transform compressing with zlib (as `_extension.ZStandard` does with zstd,
+    which needs a module not installed here)."""
+    import io
+    import zlib
+
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    class Zlib(StreamTransformExtension):
+        @staticmethod
+        def registry_name() -> str:
+            return "test.zlib"
+
+        @staticmethod
+        def from_descriptor(version: str) -> Zlib:
+            return Zlib()
+
+        def get_descriptor(self) -> str:
+            return "test.zlib/1"
+
+        def transform_to(self, output):
+            class Writer(io.RawIOBase):
+                def __init__(self) -> None:
+                    self.z = zlib.compressobj()
+
+                def writable(self) -> bool:
+                    return True
+
+                def write(self, b) -> int:
+                    output.write(self.z.compress(bytes(b)))
+                    return len(memoryview(b))
+
+                def close(self) -> None:
+                    if not self.closed:
+                        output.write(self.z.flush())
+                    super().close()
+
+            return Writer()
+
+        def transform_from(self, input):
+            return io.BytesIO(zlib.decompress(input.read()))
+
+    return Zlib
+
+
+def test_a_compressed_plain_dcp_folder_loads_through_the_safe_reader(tmp_path):
+    """`dcp.FileSystemWriter(_extensions=[...])` (`ZStandard()`, say) records each entry's
+    compressed length: a tensor stores fewer bytes than it holds. Its entries carry their
+    `transform_descriptors`, and are not held to the byte bound; `SafeFileSystemReader` takes
+    `_extension_registry` as `dcp.FileSystemReader` does. Before: refused ('claims [4096]
+    torch.float32 but stores 651 bytes'), and the registry a TypeError."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    zlib_ext = _zlib_extension()
+    registry = ExtensionRegistry()
+    registry.register(zlib_ext)
+    saved = {"w": torch.zeros(4096), "note": "v1"}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[zlib_ext()]), no_dist=True)
+    stored = pickle.loads((tmp_path / ".metadata").read_bytes()).storage_data
+    assert sum(s.length for s in stored.values()) < 4096 and all(s.transform_descriptors for s in stored.values())
+    verified_reader(tmp_path)  # checked: no refusal
+    loaded = {"w": torch.ones(4096), "note": ""}
+    dcp.load(loaded, storage_reader=SafeFileSystemReader(tmp_path, _extension_registry=registry), no_dist=True)
+    assert torch.equal(loaded["w"], saved["w"]) and loaded["note"] == "v1"
