@@ -516,6 +516,11 @@ def _check_plain(reader: SafeFileSystemReader) -> str:
     ranks (DCP's `save_id` is in those bytes)."""
     folder = Path(reader.path)
     if folder.is_dir() and not (folder / METADATA).exists():  # no folder at all: `read_metadata` says so
+        local = sorted(p.name for p in folder.glob(f"__*{METADATA}"))
+        if local:
+            raise CheckpointError(f"{reader.path}: no {METADATA}, only rank-local metadata ({', '.join(local[:3])}"
+                                  f"{', ...' if len(local) > 3 else ''}: a dcp.save(..., use_collectives=False)), "
+                                  "not loaded: save it with collectives (dcp.save's default)")
         raise CheckpointError(f"{reader.path}: no {METADATA}, not loaded: not a finished DCP checkpoint "
                               "(a save killed or still writing), or no checkpoint")
     return hashlib.sha256(reader.checked_metadata_bytes()).hexdigest()

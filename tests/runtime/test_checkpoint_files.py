@@ -682,3 +682,20 @@ def test_a_compressed_plain_dcp_folder_loads_through_the_safe_reader(tmp_path):
     loaded = {"w": torch.ones(4096), "note": ""}
     dcp.load(loaded, storage_reader=SafeFileSystemReader(tmp_path, _extension_registry=registry), no_dist=True)
     assert torch.equal(loaded["w"], saved["w"]) and loaded["note"] == "v1"
+
+
+def test_a_rank_local_dcp_save_is_named_by_the_verified_reader(tmp_path):
+    """`dcp.save(..., use_collectives=False)` writes each rank's `__<rank>.metadata`, no `.metadata`:
+    the refusal names the rank-local metadata and a save with collectives. Before: 'a save killed
+    or still writing'."""
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.zeros(4)}, checkpoint_id=tmp_path, no_dist=True, use_collectives=False)
+    assert (tmp_path / "__0.metadata").exists() and not (tmp_path / ".metadata").exists()
+    with pytest.raises(CheckpointError) as refused:
+        verified_reader(tmp_path)
+    text = str(refused.value)
+    assert "rank-local metadata (__0.metadata" in text and "use_collectives=False" in text, text
+    assert "killed" not in text and "\n" not in text, text
