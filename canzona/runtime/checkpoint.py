@@ -905,6 +905,7 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     if sharded:  # the full form keeps the device saved, as torch's load does
         _onto_held_devices(opt.param_groups, values)
         _tuples_again(opt, values)
+        _numpy_again(opt.param_groups, values)
     opt.matrix_cfg = saved_config(opt.optimizer, opt.matrix_cfg, header.get("matrix_config"), "matrix_config")
     opt.adamw_cfg = saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
     for group, saved in zip(opt.param_groups, values):
@@ -927,6 +928,26 @@ def _tuples_again(opt: Described, values: list[dict[str, Any]]) -> None:
             held = group[key] if key in group else getattr(base, key, None)
             if isinstance(value, list) and isinstance(held, tuple):
                 saved[key] = tuple(value)
+
+
+def _numpy_again(groups: Sequence[Mapping[str, Any]], values: list[dict[str, Any]]) -> None:
+    """A sharded checkpoint's NumPy scalars (kept as their numbers, JSON) that NumPy type again
+    where the live group holds one under the key (or at that place of its tuple: AdamW's `betas`)
+    and the number is exactly one of that type: a step computes with np.float32 betas in float32,
+    as torch's AdamW does (a Python float in their place would resume within rounding only)."""
+
+    def again(value: Any, held: Any) -> Any:
+        if isinstance(held, (tuple, list)) and isinstance(value, (tuple, list)) and len(held) == len(value):
+            return type(value)(again(v, h) for v, h in zip(value, held))
+        if type(value) in (int, float) and type(held).__module__ == "numpy" and getattr(held, "shape", None) == ():
+            made = type(held)(value)
+            return made if made.item() == value else value
+        return value
+
+    for group, saved in zip(groups, values):
+        for key, value in saved.items():
+            if key in group:
+                saved[key] = again(value, group[key])
 
 
 def _local(part: Checkpointable, by_name: Mapping[str, Any]) -> dict[str, Any]:

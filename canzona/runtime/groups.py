@@ -360,15 +360,23 @@ def group_lr(group: Mapping[str, Any]) -> Any:
 
 def group_betas(group: Mapping[str, Any]) -> tuple[Any, Any]:
     """An AdamW group's `betas` as `adamw_step_` takes them: each a number, or a one-element tensor
-    (0-d), which torch.optim.AdamW computes its bias corrections with in the tensor's dtype."""
+    (0-d), which torch.optim.AdamW computes its bias corrections with in the tensor's dtype; a
+    NumPy scalar as it is, as torch's step takes it (np.float32's bias corrections in float32)."""
     beta1, beta2 = group["betas"]
-    return _kernel_scalar(beta1), _kernel_scalar(beta2)
+    return _kernel_scalar(beta1, numpy=True), _kernel_scalar(beta2, numpy=True)
 
 
-def _kernel_scalar(v: Any) -> Any:
+def _kernel_scalar(v: Any, *, numpy: bool = False) -> Any:
     if isinstance(v, Tensor) and v.dim() > 0 and v.numel() == 1:
         return v.reshape(())  # a `[1]` value, as torch's `_to_scalar` takes it: `add_(alpha=)` takes 0-d only
-    return v.item() if _is_numpy_scalar(v) else v
+    return v.item() if _is_numpy_scalar(v) and not (numpy and isinstance(v, _np_generic())) else v
+
+
+def _np_generic() -> type:
+    """NumPy's scalar type (numpy imported only where a NumPy value is there already)."""
+    import numpy
+
+    return numpy.generic
 
 
 def _is_numpy_scalar(v: Any) -> bool:
