@@ -27,7 +27,8 @@ crafted one names. This module keeps DCP's format and adds:
 - `verified_reader(folder)` (collective): the reader to give `dcp.load`: a `save_checkpoint` folder
   verified against its manifest, a plain `dcp.save` folder's `.metadata` read and checked against
   its files on every rank (none, a shard cut short or missing, ranks given folders of different
-  saves: one `CheckpointError` on every rank before `dcp.load` reads anything).
+  saves: one `CheckpointError` on every rank before `dcp.load` reads anything; a save killed over
+  an older one only where a new shard is shorter than the old `.metadata` needs).
 - `latest_checkpoint(directory)`: the `step_K` folder with the largest K among the complete ones.
 
 What remains trusted: the contents. A consistent checkpoint made by someone else can hold any
@@ -478,9 +479,11 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     an entry outside the files present, a shard cut short or missing: one `CheckpointError` on
     every rank, nothing read), and the ranks' `.metadata` compared (sha256; ranks given folders of
     different saves: one `CheckpointError` on every rank); the reader keeps the bytes checked and
-    unpickles those alone, and still runs no code. Not caught there: a save killed over
-    an older one that left whole new shards beside old ones (sizes alike), or a flipped bit
-    (`save_checkpoint` folders are checked by sha256). Give it to `dcp.load(state_dict,
+    unpickles those alone, and still runs no code. A save killed or still writing is caught in a
+    fresh folder only (no `.metadata`: DCP writes it last); over an older save, whose `.metadata`
+    DCP leaves in place until the new one is written, only where a new shard is shorter than the
+    old `.metadata` needs. Not caught there: whole new shards beside old ones (sizes alike), or a
+    flipped bit (`save_checkpoint` folders are checked by sha256). Give it to `dcp.load(state_dict,
     storage_reader=...)` for a plain folder of `opt.state_dict()` or `get_optimizer_state_dict`'s.
     `timeout_s` and `call` (`Ranks`) bound the ranks' first meeting, which they all reach at once;
     the hashing, as long as the checkpoint is large, waits within the process group's timeout.
@@ -509,7 +512,8 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
 
 def _check_plain(reader: SafeFileSystemReader) -> str:
     """A folder without a manifest (a plain `dcp.save`), before `dcp.load` reads anything of it:
-    its `.metadata` there (DCP writes it last: none, a save killed or still writing), read safely,
+    its `.metadata` there (DCP writes it last: none, a save into a fresh folder killed or still
+    writing; over an older save the old `.metadata` stays until the new one is written), read safely,
     and every entry inside the files present (a shard cut short or missing: one line here, where
     `dcp.load` raises its CheckpointException of tracebacks). Returns the sha256 of the `.metadata`
     bytes checked (which the reader keeps and unpickles): the save's identity, compared by the
@@ -522,7 +526,7 @@ def _check_plain(reader: SafeFileSystemReader) -> str:
                                   f"{', ...' if len(local) > 3 else ''}: a dcp.save(..., use_collectives=False)), "
                                   "not loaded: save it with collectives (dcp.save's default)")
         raise CheckpointError(f"{reader.path}: no {METADATA}, not loaded: not a finished DCP checkpoint "
-                              "(a save killed or still writing), or no checkpoint")
+                              "(a save into this folder killed or still writing), or no checkpoint")
     return hashlib.sha256(reader.checked_metadata_bytes()).hexdigest()
 
 
