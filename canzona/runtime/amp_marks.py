@@ -8,7 +8,7 @@ need no reset (docs/design.md §8.3).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
@@ -31,6 +31,30 @@ class AmpMarks:
     # the check as `clip_grad_norm_(max_norm)` with a finite max_norm left it: GradScaler's unscale
     # must come before that clip
     clipped: Any = None
+    # the `found_inf` tensors GradScaler handed its unscale or inf check since the last step() ran (one
+    # per device, and per GradScaler state: `unscale_(wrapper)` then `step(opt)` holds two): what its
+    # `update()` reads
+    found: list[Tensor] = field(default_factory=list)
+    # their values before a refused step() set them (`refused`), put back by a step() taken after all
+    before: list[Tensor] | None = None
+
+    def refused(self) -> None:
+        """step() was refused (nothing updated) after GradScaler's unscale or inf check of this step:
+        a skipped step, which GradScaler's `update()` counts as torch counts a step it skipped for an
+        Inf: the scale backed off, its growth count restarted (before: counted as a step taken, the
+        scale grown). Alike on every rank (a refusal is)."""
+        self.before = self.before or []
+        self.before += [f.clone() for f in self.found[len(self.before):]]
+        for f in self.found:
+            f.fill_(1.0)
+
+    def stepped(self) -> None:
+        """step() ran (taken, or skipped for a non-finite norm): a refusal before it (a step() called
+        again once the cause was mended) no longer counts; GradScaler's next unscale hands new tensors."""
+        if self.before is not None:
+            for f, b in zip(self.found, self.before):
+                f.copy_(b)
+        self.found, self.before = [], None
 
     def rescaled(self, before: Any, after: Any) -> None:
         """A clip or an unscale scaled the gradients of check `before`, now `after`: a clip after
@@ -45,6 +69,8 @@ class AmpMarks:
         scales the gradients by `coefficient` where their norm is finite; once per step check. Each
         call sets `found_inf` from the global norm (`finite`), the same on every rank."""
         now = current()
+        if not any(f is found_inf for f in self.found):  # until a step() runs (`stepped`)
+            self.found.append(found_inf)
         if now is not None and now is self.unscaled:
             # unscaled already in this step, through a wrapper of this optimizer (GradScaler's state
             # for the optimizer itself is still READY): one optimizer, one unscale

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from canzona.errors import CanzonaError
 from canzona.optimizers import (
     AdamWConfig,
     MuonConfig,
@@ -60,18 +61,24 @@ def run_step(optimizer: object, closure: Callable[[], Any] | None, body: Callabl
     caller's autocast region, as its forward expects, the step outside it (`autocast_off`). A step
     that raises drops the scale GradScaler handed over (`grad_scale`, `found_inf`): GradScaler deletes
     them only when step() returns, and left behind its next call would unscale by the product of the
-    two (torch's rule for a scale set)."""
+    two (torch's rule for a scale set). A step refused (a CanzonaError) after GradScaler's unscale
+    or inf check is a skipped step for its `update()` (`AmpMarks.refused`)."""
     loss = None
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
+    amp = getattr(optimizer, "_amp", None)  # GradScaler's marks (`amp_marks.AmpMarks`)
     try:
         with autocast_off():
             body()
-    except BaseException:
+    except BaseException as e:
         for handed in ("grad_scale", "found_inf"):
             optimizer.__dict__.pop(handed, None)
+        if amp is not None and isinstance(e, CanzonaError):
+            amp.refused()  # a skipped step for GradScaler's update(), as an Inf step is
         raise
+    if amp is not None:
+        amp.stepped()
     return loss
 
 

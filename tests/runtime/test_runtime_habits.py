@@ -2895,3 +2895,47 @@ def test_under_fsdp2_the_optimizer_object_is_not_pickled_either(tmp_path):
         assert not out["left behind"]
         for kind, got in out["file objects"].items():  # nothing of torch's in the caller's file objects
             assert got["error"]["error"] == "CheckpointError" and got["bytes"] == b"mine::after", (kind, got)
+
+
+def _scaled_run(model, opt, refuse: str | None, bad: int = 3, steps: int = 7) -> list[tuple[float, int]]:
+    """GradScaler's loop (scale 16, growth every 2 steps) over `_Branchy`'s batches, `refuse` at step
+    `bad`: "nan" (a NaN loss: torch's skipped step), "zeroed in place" (model.zero_grad(set_to_none=False)
+    between unscale_ and scaler.step: a broken step), "lr" / "lr, step alone" (a NaN learning rate set
+    after unscale_ / with no unscale_: refused by step(), the gradients kept), "lr, retried" (the lr put
+    back and scaler.step called again: taken). The (scale, growth tracker) after each update()."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=2)
+    out = []
+    for k in range(steps):
+        opt.zero_grad()
+        loss = _branchy_loss(model, k)
+        scaler.scale(loss * math.nan if k == bad and refuse == "nan" else loss).backward()
+        if not (k == bad and refuse == "lr, step alone"):
+            scaler.unscale_(opt)
+        if k == bad and refuse == "zeroed in place":
+            model.zero_grad(set_to_none=False)
+        if k == bad and refuse is not None and refuse.startswith("lr"):
+            opt.param_groups[0]["lr"] = math.nan
+        try:
+            scaler.step(opt)
+        except CanzonaError:
+            opt.param_groups[0]["lr"] = 1e-3
+            if refuse == "lr, retried":
+                scaler.step(opt)
+        scaler.update()
+        out.append((scaler.get_scale(), int(scaler._growth_tracker)))
+    return out
+
+
+@pytest.mark.parametrize("refuse", ["zeroed in place", "lr", "lr, step alone", "lr, retried"])
+def test_a_step_refused_under_grad_scaler_is_a_skipped_step_for_its_update(one_rank, refuse):
+    """A step() refused after GradScaler's unscale_ (or inf check), then scaler.update() and the loop
+    going on: the scale and its growth tracker after each update() are torch's (torch.optim.AdamW +
+    GradScaler) with a NaN loss at that step (skipped: the scale backed off, the growth count
+    restarted), and so are the weights, bit for bit; a step() called again once mended and taken is
+    counted as taken. Before: the refused step counted as a step taken (16 -> 64, not 16)."""
+    model, opt = _branchy_adamw()
+    reference = _Branchy()
+    ropt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    torch_said = _scaled_run(reference, ropt, None if refuse == "lr, retried" else "nan")
+    assert _scaled_run(model, opt, refuse) == torch_said
+    assert compare(_params(model), _params(reference))["bit_identical"]
