@@ -223,8 +223,11 @@ class GradientSync:
         # gradients stay for a retry: model.zero_grad() ends that step (`_end_kept`), unless it leaves
         # some of them (a `.grad` set to None alone: `KEPT_NOT_DROPPED`)
         self.kept_line: str | None = None
-        # that step ended by model.zero_grad() on this rank (`_end_kept`): the next backward is taken
-        # locally, as under no_sync(), and reduced at the check once every rank ended it (`_agree_ended`)
+        # that step ended by model.zero_grad() on this rank (`_end_kept`): the next step is a fresh
+        # step's in every way (a second backward without no_sync() is SYNCED_TWICE, ...) but for its
+        # collectives: a bucket whose gradients are all in is handed to the reduction as in any step
+        # (`_take_all`, `REDUCING`), `DEFERRED` standing in for its launch, and the reductions are
+        # launched at the check once every rank ended it (`_agree_ended`)
         self._deferred = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -292,9 +295,10 @@ class GradientSync:
         """model.zero_grad() (either setting) after a step refused and kept for a retry (a
         disagreement, a NaN norm): that step's gradients are dropped, as optimizer.zero_grad()
         drops them, so that the next backward and step() train as a run that skipped that batch.
-        Local bookkeeping, no collective: the next backward launches no reduction (its gradients
-        are taken locally, as under no_sync()) and the step's check first has every rank agree
-        that all ended it (`_agree_ended`), then reduces them, or fails on every rank."""
+        Local bookkeeping, no collective: the next step is a fresh step's (a second backward without
+        no_sync() is SYNCED_TWICE, zeroing a gradient handed to the reduction is refused, ...), but
+        its backward launches no reduction (`DEFERRED`): the step's check first has every rank agree
+        that all ended it (`_agree_ended`), then launches them, or fails on every rank."""
         self._drain()
         self._forget(deferred=True)
 
@@ -323,6 +327,10 @@ class GradientSync:
         if seen == {1} and not self._deferred:
             self._end_kept()  # a part holding none of the refused step's gradients follows the others
         self._deferred = False
+        for k, pending in enumerate(self._launched):  # in bucket order, as backward launches them
+            if pending is DEFERRED:
+                self._launched[k] = self.source.launch(self.buckets[k], self.grad_cuts(k),
+                                                       f"bucket {self.plan.dp_plan.buckets[k].index}")
 
     def stepped(self) -> None:
         """The step consumed the gradients: the guards say so, so that a backward cannot add onto
@@ -437,7 +445,7 @@ class GradientSync:
             (self._graphed.add if grad.requires_grad else self._graphed.discard)(name)
         self._got_grad[self.index[name]] = 1
         self.backward += 1
-        sync = self._sync and not self._deferred  # deferred: reduced at the check (`_agree_ended`)
+        sync = self._sync
         self._states[name] = GradState.REDUCING if sync else GradState.ACCUMULATING
         if not buckets or not sync:
             return  # AdamW parameters are reduced in step(); under no_sync() nothing is reduced yet
@@ -485,7 +493,9 @@ class GradientSync:
             return
         b = self.buckets[k]
         self._take_all(b)
-        self._launched[k] = self.source.launch(b, self.grad_cuts(k), f"bucket {self.plan.dp_plan.buckets[k].index}")
+        # after a kept step ended here (`_deferred`), launched once every rank agrees it ended
+        self._launched[k] = DEFERRED if self._deferred else \
+            self.source.launch(b, self.grad_cuts(k), f"bucket {self.plan.dp_plan.buckets[k].index}")
 
     def _take_all(self, buffer: FlatBuffer) -> None:
         """Before a buffer is reduced: every parameter's gradient of this step is in it (a gradient
@@ -1010,6 +1020,17 @@ class GradientSync:
     def unlinked_message(self, name: str) -> str:
         wrapper = wrapper_holding(self.params.values())
         return wrapper_message(wrapper) if wrapper is not None else unlinked_message(name)
+
+
+class _DeferredLaunch:
+    """Stands in `GradientSync._launched` for a bucket handed to the reduction after a kept step was
+    ended here, its collective not launched yet (`_deferred`): nothing to wait for."""
+
+    def wait(self) -> None:
+        pass
+
+
+DEFERRED = _DeferredLaunch()
 
 
 def _guard_for(p: Tensor, name: str, owner: Callable[[], GradientSync | None]) -> Tensor:

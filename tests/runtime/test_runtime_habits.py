@@ -2939,3 +2939,44 @@ def test_a_step_refused_under_grad_scaler_is_a_skipped_step_for_its_update(one_r
     torch_said = _scaled_run(reference, ropt, None if refuse == "lr, retried" else "nan")
     assert _scaled_run(model, opt, refuse) == torch_said
     assert compare(_params(model), _params(reference))["bit_identical"]
+
+
+@pytest.mark.parametrize("end", ["model.zero_grad()", "model.zero_grad(set_to_none=False)", "opt.zero_grad()", "none"])
+@pytest.mark.parametrize("then", ["backward twice", "zeroed in place", "no_sync after"])
+def test_a_step_after_a_kept_step_was_ended_refuses_what_a_fresh_step_refuses(one_rank, end, then):
+    """A step refused and kept (a NaN norm), ended by `end` ("none": a fresh step after a sound one),
+    then a backward and `then`: a second backward without no_sync(), model.zero_grad(set_to_none=False)
+    between backward and step(), or a no_sync() backward after the synchronising one. step() refuses
+    each with the line a fresh step gives, nothing updated, and opt.zero_grad() goes on. Before: after
+    model.zero_grad() ended the kept step the next backward was taken as under no_sync(), so a second
+    one was summed (as DDP would) and the zeroing dropped it, silently."""
+    model, opt = _branchy_adamw()
+    _sound_step(model, opt, 0)
+    if end != "none":
+        opt.zero_grad()
+        (_branchy_loss(model, 1) * math.nan).backward()
+        with pytest.raises(CanzonaError, match="global gradient norm is nan"):
+            opt.step()
+        {"model.zero_grad()": lambda: model.zero_grad(), "opt.zero_grad()": lambda: opt.zero_grad(),
+         "model.zero_grad(set_to_none=False)": lambda: model.zero_grad(set_to_none=False)}[end]()
+    else:
+        opt.zero_grad()
+    _branchy_loss(model, 2).backward()
+    if then == "backward twice":
+        _branchy_loss(model, 3).backward()
+    elif then == "zeroed in place":
+        model.zero_grad(set_to_none=False)
+    else:
+        with opt.no_sync():
+            _branchy_loss(model, 3).backward()
+    before = _params(model)
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    assert compare(_params(model), before)["bit_identical"]
+    said = {"backward twice": "gradients were synchronised twice in one step",
+            "zeroed in place": "cannot be zeroed in place (zero_.default: model.zero_grad(set_to_none=False) within",
+            "no_sync after": "gradients were synchronised twice in one step"}[then]
+    assert said in str(refused.value), refused.value
+    opt.zero_grad()
+    _branchy_loss(model, 4).backward()
+    opt.step()
