@@ -229,6 +229,11 @@ class GradientSync:
         # (`_take_all`, `REDUCING`), `DEFERRED` standing in for its launch, and the reductions are
         # launched at the check once every rank ended it (`_agree_ended`)
         self._deferred = False
+        # a step refused and kept, ended by zeroing its first gradient in place (model.zero_grad(
+        # set_to_none=False) or a submodule's): its line and the parameters whose gradients it held,
+        # so that one of them left as it was (a submodule's zeroing ended it) is named as such
+        # (`_still_kept`) instead of as the last step's gradient
+        self._kept_after: tuple[str, frozenset[str]] | None = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every `.grad` None, as `optimizer.zero_grad()` leaves it in torch; with `set_to_none=False`
@@ -300,7 +305,38 @@ class GradientSync:
         its backward launches no reduction (`DEFERRED`): the step's check first has every rank agree
         that all ended it (`_agree_ended`), then launches them, or fails on every rank."""
         self._drain()
+        error, held = self.kept_line, frozenset(self._states)
+        with torch._C.DisableTorchFunctionSubclass():
+            left = any(self.params[n].grad is self._guards[n] for n in held)
         self._forget(deferred=True)
+        if error is not None and left:
+            self._kept_after = (error, held)
+
+    def _still_kept(self, name: str) -> bool:
+        """`name`'s gradient is still that of a step refused and kept which a zeroing in place of
+        some of its gradients ended (a submodule's zero_grad(set_to_none=False)): neither zeroed nor
+        set to None since, nor reached by a backward."""
+        if self._kept_after is None or name not in self._kept_after[1]:
+            return False
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.params[name].grad is self._guards[name] and self.guard_state(name) is GradState.STEPPED
+
+    def _kept_line(self) -> str:
+        """KEPT_NOT_DROPPED where a step refused and kept was dropped in part only (a submodule's
+        zero_grad(), either setting, or .grad = None), or not at all, before a backward or step()."""
+        if self.kept_line is not None:
+            error, held = self.kept_line, [n for n in self.params if n in self._states]
+            with torch._C.DisableTorchFunctionSubclass():
+                still = [n for n in held if self.params[n].grad is self._guards[n]]
+        else:
+            error, held = self._kept_after
+            held = [n for n in self.params if n in held]
+            still = [n for n in held if self._still_kept(n)]
+        gone = [n for n in held if n not in still]
+        what = ("not dropped (no zero_grad() since) and a backward added to them" if not gone else
+                f"dropped in part only ({_few(gone)}: a submodule's zero_grad(), or .grad = None), the rest still "
+                f"kept ({_few(still)})")
+        return KEPT_NOT_DROPPED.format(error=error, what=what)
 
     def _agree_ended(self) -> None:
         """The step's check after a step refused and kept: every rank says whether model.zero_grad()
@@ -422,9 +458,7 @@ class GradientSync:
             # left in `.grad`, unwritten, and recorded for the step's check (`_local_problem`), which
             # reports it on every rank together; a raise here, inside backward on one rank (its loop
             # dropped a batch), would leave the peers waiting in the step's collectives
-            self._record(DROPPED_MID_STEP.format(name=name) if self.kept_line is None else
-                         KEPT_NOT_DROPPED.format(error=self.kept_line, what="set to None (model.zero_grad(), or "
-                                                 f".grad = None; {name!r} first) with a backward since"))
+            self._record(DROPPED_MID_STEP.format(name=name) if self.kept_line is None else self._kept_line())
             return
         if p.grad is guard and name not in self._states and name in self._zeroed and self._taken_as_zero(name):
             return  # a zeroed gradient taken to the reduction as zero, reached since: recorded, not taken
@@ -432,8 +466,9 @@ class GradientSync:
             # a second backward onto a gradient handed to the reduction (no no_sync() around the
             # first): its accumulation into the guard was recorded, not taken (`refused`); the
             # gradient stays as the first backward handed it over, in the same state (an
-            # accumulating one would take the next backward's into a buffer under its collective)
-            self._record(SYNCED_TWICE)
+            # accumulating one would take the next backward's into a buffer under its collective);
+            # after a step refused and kept, a backward onto its gradients
+            self._record(SYNCED_TWICE if self.kept_line is None else self._kept_line())
             return
         self._zeroed.discard(name)  # a backward reached it (a zeroed guard took it in `accumulate`)
         if p.grad is not guard:
@@ -511,6 +546,11 @@ class GradientSync:
                 self._got_grad[self.index[name]] = 1
                 continue
             if p.grad is guard:
+                if self._still_kept(name):
+                    # a step refused and kept, ended by zeroing some of its gradients in place: this
+                    # one was left as that step held it (recorded, not taken; `_leave`)
+                    self._leave(buffer, name, self._kept_line())
+                    continue
                 if self._states.get(name) is GradState.STEPPED:  # no backward reached it, no zero_grad since the step
                     # recorded, not raised: this runs before a bucket's launch, and may hold on one
                     # rank only (its loop skipped a backward and zero_grad()), its peers then waiting
@@ -676,6 +716,10 @@ class GradientSync:
             if wrapper is not None:
                 return wrapper_message(wrapper)
         adds = what.split(".")[0] in ("add", "add_")
+        if in_backward and adds and (state is GradState.REDUCING and self.kept_line is not None or
+                                     self._still_kept(name)):
+            # a backward onto the gradients of a step refused and kept, dropped in part or not at all
+            return self._kept_line()
         if in_backward and self._arrived_in.get(name) == torch._C._current_graph_task_id():
             # a hook running after the optimizer's own in this backward (registered after it), which
             # took the gradient (a second accumulation in the same backward is a nested backward's)
@@ -775,6 +819,8 @@ class GradientSync:
             held = name in self._states
             zeroed = name in self._zeroed and p.grad is self._guards[name]
             if (p.grad is not self._guards[name]) if held else (p.grad is not None and not zeroed):
+                if held and self.kept_line is not None:  # a step refused and kept, dropped in part only
+                    return self._kept_line()
                 return handed_message(name, "dropped (zero_grad() or .grad = None)" if p.grad is None else "replaced")
         return None
 
@@ -1033,6 +1079,12 @@ class _DeferredLaunch:
 DEFERRED = _DeferredLaunch()
 
 
+def _few(names: Sequence[str]) -> str:
+    """Up to three names, and how many in all beyond."""
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown if len(names) <= 3 else f"{shown}, ... {len(names)} in all"
+
+
 def _guard_for(p: Tensor, name: str, owner: Callable[[], GradientSync | None]) -> Tensor:
     """The guard that stands in `p.grad`: for a DTensor parameter, a DTensor over a guard with the
     parameter's placements (autograd accumulates a DTensor gradient into it, Partial included)."""
@@ -1154,8 +1206,8 @@ DROPPED_MID_STEP = ("the gradient of {name!r} was set to None (model.zero_grad()
 # model.zero_grad() (either setting) after a step() refused without being broken (`kept_line`)
 KEPT_NOT_DROPPED = ("the last step() was refused ({error}) and its gradients were kept, reduced, for a step() "
                     "called again once that is mended; they were then {what}, which does not discard them: "
-                    "drop a refused step's gradients with optimizer.zero_grad(), then run the backward again "
-                    "before step(); nothing was updated")
+                    "drop all of a refused step's gradients with model.zero_grad() or optimizer.zero_grad(), then "
+                    "run the backward again before step(); nothing was updated")
 # the same, where this step's backward ran but did not reach that parameter
 # the same after a step refused on every rank (`abandon`), which left its gradients as a step does
 REFUSED_AGAIN = ("step() was called again with no backward since the last step() was refused ({error}): the "

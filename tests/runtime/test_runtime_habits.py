@@ -229,6 +229,8 @@ def kept_refusal_job(rank: int, world: int, zero: str) -> dict:
     opt.param_groups[0]["lr"] = lr
     if zero == "mixed" and rank == 0:
         opt.zero_grad()
+    elif zero == "part":  # one submodule's gradients dropped, the rest kept: refused on both ranks
+        model.lm_head.zero_grad()
     elif zero != "rank 0" or rank == 0:
         model.zero_grad(set_to_none=zero != "model-false")
     before = _params(model)
@@ -236,7 +238,7 @@ def kept_refusal_job(rank: int, world: int, zero: str) -> dict:
     out["next"] = _outcome(opt.step)
     out["unchanged"] = compare(_params(model), before)["bit_identical"]
     sound = [batches[0], batches[2]]
-    if zero == "rank 0":
+    if zero in ("rank 0", "part"):
         out["then"] = _outcome(lambda: _train(model, opt, batches[1:2]))
         sound = [batches[0], batches[1]]
     reference = build_model(BASE)
@@ -1341,7 +1343,7 @@ JOBS = {
     "second optimizer": ("second_optimizer_job", ()),
     **{f"one rank {how}": ("one_rank_mistake_job", (how,)) for how in ONE_RANK_MISTAKES},
     "zeroed taken as zero": ("zeroed_taken_as_zero_job", ()),
-    **{f"kept refusal {z}": ("kept_refusal_job", (z,)) for z in ("model", "model-false", "rank 0", "mixed")},
+    **{f"kept refusal {z}": ("kept_refusal_job", (z,)) for z in ("model", "model-false", "rank 0", "mixed", "part")},
     # last: compiling clears dynamo's caches and recompiles, which the jobs above need not see
     "compiled fullgraph": ("compiled_job", (True,)),
     "compiled fullgraph no overlap": ("compiled_job", (False,)),
@@ -1410,6 +1412,12 @@ def test_model_zero_grad_after_a_refused_and_kept_step_drops_it_alike_on_every_r
     for rank, out in enumerate(runs["kept refusal rank 0"]):
         assert "ran on some ranks and not on others" in out["next"]["message"] and out["unchanged"], (rank, out)
         assert out["then"]["error"] is None and out["reference"], (rank, out)
+    # lm_head.zero_grad() alone on both ranks (its weight tied to the embedding's): KEPT_NOT_DROPPED
+    # naming the part dropped on both (before: SYNCED_TWICE), nothing updated, and opt.zero_grad() goes on
+    for rank, out in enumerate(runs["kept refusal part"]):
+        said = out["next"]["message"]
+        assert "dropped in part only ('model.embed_tokens.weight'" in said and "the rest still kept (" in said, (rank, said)
+        assert out["unchanged"] and out["then"]["error"] is None and out["reference"], (rank, out)
 
 
 def test_a_backward_onto_a_zeroed_gradient_the_clip_reduced_as_zero_is_one_error_before_any_update(runs):
@@ -2979,4 +2987,58 @@ def test_a_step_after_a_kept_step_was_ended_refuses_what_a_fresh_step_refuses(on
     assert said in str(refused.value), refused.value
     opt.zero_grad()
     _branchy_loss(model, 4).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("then", ["backward", "step() again"])
+@pytest.mark.parametrize("part", ["set to None", "zeroed in place"])
+def test_dropping_part_of_a_kept_step_is_refused_naming_the_part_dropped(one_rank, part, then):
+    """A step refused and kept (a NaN norm), then one submodule's zero_grad() (`part`: either
+    setting) drops part of its gradients only, then a backward and step(), or step() again: refused
+    with KEPT_NOT_DROPPED naming the part dropped and the part still kept, nothing updated; then
+    model.zero_grad() and a backward train as a run that skipped the refused batch, bit for bit.
+    Before: the backward's line was a fresh step's (SYNCED_TWICE, or STALE_GRADIENTS after
+    zero_grad(set_to_none=False) had ended the whole kept step at its first zeroing), step() again
+    'was dropped between backward and step()' / 'step() was called again with no backward'."""
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    _sound_step(model, opt, 0)
+    opt.zero_grad()
+    (_branchy_loss(model, 1) * math.nan).backward()
+    with pytest.raises(CanzonaError, match="global gradient norm is nan") as kept:
+        opt.step()
+    model.a.zero_grad(set_to_none=part == "set to None")
+    if then == "backward":
+        _branchy_loss(model, 2).backward()
+    before = _params(model)
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    assert compare(_params(model), before)["bit_identical"]
+    said = str(refused.value)
+    assert said.startswith(f"the last step() was refused ({kept.value}) and its gradients were kept"), said
+    assert "dropped in part only ('a.weight', 'a.bias'" in said and "the rest still kept ('branch.weight'" in said, said
+    assert "with model.zero_grad() or optimizer.zero_grad()" in said and "\n" not in said, said
+    model.zero_grad()
+    _branchy_loss(model, 3).backward()
+    opt.step()
+    _sound_step(reference, ropt, 0)
+    _sound_step(reference, ropt, 3)
+    assert compare(_params(model), _params(reference))["bit_identical"]
+
+
+def test_a_backward_onto_a_kept_step_not_dropped_names_the_kept_step(one_rank):
+    """A step refused and kept (a NaN norm), then a backward with no zero_grad() at all: refused
+    naming the kept step (KEPT_NOT_DROPPED), not as a second synchronisation (before: SYNCED_TWICE,
+    whose advice, no_sync(), is not the mistake); opt.zero_grad() and a step go on."""
+    model, opt = _branchy_adamw()
+    _sound_step(model, opt, 0)
+    opt.zero_grad()
+    (_branchy_loss(model, 1) * math.nan).backward()
+    with pytest.raises(CanzonaError, match="global gradient norm is nan"):
+        opt.step()
+    _branchy_loss(model, 2).backward()
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    assert "they were then not dropped (no zero_grad() since) and a backward added to them" in str(refused.value)
+    opt.zero_grad()
+    _branchy_loss(model, 3).backward()
     opt.step()
