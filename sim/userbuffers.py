@@ -39,8 +39,8 @@ How the simulator prices a configuration (`UserbuffersConfig.block_sms`, `sim.co
   transfers, the GEMM launched without `num_sm` SMs under `set_sm_margin`.
 The overlapped GEMMs run in chunks (since 2026-12-03: `UserbuffersConfig.gemm_chunks`,
 `sim.model_work`): Transformer Engine issues a ring exchange's GEMM as `tp` cuBLAS calls, one per
-rank's share of the tokens (`CommOverlapP2PBase::split_overlap_ag` / `split_overlap_rs`; two shares
-a call under `aggregate`), and a `pipeline`'s as `num_splits` calls (`CommOverlapBase::split_overlap_rs`),
+rank's share of the tokens (`CommOverlapP2PBase::split_overlap_ag` / `split_overlap_rs`; an
+all-gather's two shares a call under `aggregate`, which the reduce-scatter ignores), and a `pipeline`'s as `num_splits` calls (`CommOverlapBase::split_overlap_rs`),
 round-robin on its `_NUM_MAX_UB_STREAMS` = 3 compute streams (transformer_engine/pytorch/module/base.py):
 up to three chunks run at once, their tiles filling the SMs' waves together, priced as a grouped
 GEMM of three chunks (`UB_STREAMS`); a chunk of few rows (TP 8 with CP 2: 512 tokens) leaves
@@ -80,7 +80,7 @@ class GemmOverlap:
     num_sm: int  # the communication's SMs (a ring exchange's: TE's default 1, a margin only)
     num_splits: int | None = None  # `pipeline` only: the GEMM's chunks
     set_sm_margin: bool = False  # the GEMM launched on the SMs the communication leaves
-    aggregate: bool = False  # `ring_exchange` only: its GEMM in tp / 2 chunks of two shares (gemm_chunks)
+    aggregate: bool = False  # a `ring_exchange` all-gather only: its GEMM in tp / 2 chunks of two shares (gemm_chunks)
     fp8_buf: bool = False  # not priced
     atomic_gemm: bool = False  # not priced
 
@@ -132,15 +132,17 @@ class UserbuffersConfig:
         GEMM into at TP `tp` (`GemmChunks`): the forward's column GEMMs under the input's all-gather,
         its row GEMMs under the output's reduce-scatter, and the backward's row data-gradient GEMMs
         under the output gradient's all-gather. A ring exchange: `tp` chunks of one rank's share of
-        the tokens (`tp / 2` of two shares under `aggregate`); a `pipeline`: `num_splits`; `bulk`
-        overlaps run the GEMM whole."""
-        def chunks(g: GemmOverlap) -> int:
+        the tokens (an all-gather's: `tp / 2` of two shares under `aggregate`; TE's ring-exchange
+        reduce-scatter ignores `aggregate`); a `pipeline`: `num_splits`; `bulk` overlaps run the
+        GEMM whole."""
+        def chunks(g: GemmOverlap, gather: bool) -> int:
             if g.method == RING_EXCHANGE:
-                return max(1, tp // 2) if g.aggregate else tp
+                return max(1, tp // 2) if g.aggregate and gather else tp
             return g.num_splits if g.method == PIPELINE and g.num_splits else 1
 
-        return {"attention": (chunks(self.qkv_fprop), chunks(self.proj_fprop), chunks(self.proj_dgrad)),
-                "mlp": (chunks(self.fc1_fprop), chunks(self.fc2_fprop), chunks(self.fc2_dgrad))}
+        return {"attention": (chunks(self.qkv_fprop, True), chunks(self.proj_fprop, False),
+                              chunks(self.proj_dgrad, True)),
+                "mlp": (chunks(self.fc1_fprop, True), chunks(self.fc2_fprop, False), chunks(self.fc2_dgrad, True))}
 
     def block_sms(self, *, attention: bool) -> TPOverlapSMs:
         """The SMs the simulator charges a block's overlapped exchanges (attention's or the MLP's)."""

@@ -228,3 +228,12 @@ def test_chunked_gemms_share_the_waves_three_at_a_time():
     assert b1.first_s == pytest.approx(priced(row, dgrad=True) + wgrad)
     assert b1.last_s == b0.last_s and b1.middle_s == b0.middle_s
     assert b1.first_s > b0.first_s
+
+
+def test_aggregate_halves_only_the_all_gathers_chunks():
+    """TE's `aggregate` sends two ranks' shares at a time in a ring exchange's all-gather
+    (`split_overlap_ag`: tp / 2 GEMM calls); its ring-exchange reduce-scatter (`split_overlap_rs`)
+    ignores it and always runs tp calls."""
+    ring = replace(UB_CONFIGS[FP8_405B].proj_fprop, aggregate=True)
+    both = replace(UB_CONFIGS[LAUNCHER_405B], name="test-aggregate-rs", proj_fprop=ring, fc2_fprop=ring)
+    assert both.gemm_chunks(8) == {"attention": (4, 8, 4), "mlp": (4, 8, 4)}
