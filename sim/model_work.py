@@ -342,17 +342,21 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         """The forward GEMMs of `params` (`dgrad`: their data-gradient GEMMs) as Transformer
         Engine runs them under a userbuffers overlap (`sim.userbuffers.UserbuffersConfig.gemm_chunks`):
         `chunks` GEMMs of `tokens / chunks` rows, `UB_STREAMS` of them at once sharing the waves (a
-        grouped GEMM of that many chunks); one chunk: the whole GEMM."""
+        grouped GEMM of that many chunks, the last group the `chunks mod UB_STREAMS` left), never
+        faster than the whole GEMM; one chunk: the whole GEMM."""
         if chunks <= 1:
             return run(gemm_kernels(params, dgrad, "dgrad"))
-        at_once = min(UB_STREAMS, chunks)
-        ks = []
+        full, rest = divmod(chunks, UB_STREAMS)
+        total = 0.0
         for p in params:
             out, inp = p.local_shape(tp)
             n, k = (inp, out) if dgrad else (out, inp)
-            ks.append(grouped_gemm_kernel(f"{p.name}{'.dgrad' if dgrad else ''}.chunk", tokens // chunks, n, k,
-                                          at_once, linear, count=chunks / at_once))
-        return run(ks)
+            name = f"{p.name}{'.dgrad' if dgrad else ''}.chunk"
+            groups = [grouped_gemm_kernel(name, tokens // chunks, n, k, UB_STREAMS, linear, count=full)] if full else []
+            if rest:
+                groups.append(grouped_gemm_kernel(name, tokens // chunks, n, k, rest, linear))
+            total += max(run(groups), run([gemm_kernel(name, tokens, n, k, linear)]))
+        return total
 
     # FP8's per-micro-batch scaling work of the whole stage (delayed scaling: the amax all-reduce
     # and the history / scale update, after each forward and each backward of every model chunk),
