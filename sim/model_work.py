@@ -341,22 +341,27 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     def chunked(params: Sequence[ParamSpec], chunks: int, dgrad: bool = False) -> float:
         """The forward GEMMs of `params` (`dgrad`: their data-gradient GEMMs) as Transformer
         Engine runs them under a userbuffers overlap (`sim.userbuffers.UserbuffersConfig.gemm_chunks`):
+        the whole GEMMs plus what chunking costs. Megatron runs the column GEMMs sharing an input
+        as one fused GEMM (`linear_qkv`: q, k and v; `linear_fc1`: gate and up), which TE cuts into
         `chunks` GEMMs of `tokens / chunks` rows, `UB_STREAMS` of them at once sharing the waves (a
         grouped GEMM of that many chunks, the last group the `chunks mod UB_STREAMS` left), never
-        faster than the whole GEMM; one chunk: the whole GEMM."""
+        faster than the whole fused GEMM; one chunk: the whole GEMMs."""
+        whole = run(gemm_kernels(params, dgrad, "dgrad"))
         if chunks <= 1:
-            return run(gemm_kernels(params, dgrad, "dgrad"))
-        full, rest = divmod(chunks, UB_STREAMS)
-        total = 0.0
+            return whole
+        fused: dict[int, int] = {}  # the fused GEMMs: output width by input width
         for p in params:
             out, inp = p.local_shape(tp)
             n, k = (inp, out) if dgrad else (out, inp)
-            name = f"{p.name}{'.dgrad' if dgrad else ''}.chunk"
+            fused[k] = fused.get(k, 0) + n
+        full, rest = divmod(chunks, UB_STREAMS)
+        name = f"{params[0].name if len(params) == 1 else 'fused'}{'.dgrad' if dgrad else ''}.chunk"
+        for k, n in fused.items():
             groups = [grouped_gemm_kernel(name, tokens // chunks, n, k, UB_STREAMS, linear, count=full)] if full else []
             if rest:
                 groups.append(grouped_gemm_kernel(name, tokens // chunks, n, k, rest, linear))
-            total += max(run(groups), run([gemm_kernel(name, tokens, n, k, linear)]))
-        return total
+            whole += max(0.0, run(groups) - run([gemm_kernel(name, tokens, n, k, linear)]))
+        return whole
 
     # FP8's per-micro-batch scaling work of the whole stage (delayed scaling: the amax all-reduce
     # and the history / scale update, after each forward and each backward of every model chunk),

@@ -211,24 +211,25 @@ def test_chunked_gemms_share_the_waves_three_at_a_time():
     tokens = 4096
 
     def priced(params, dgrad=False):
-        total = 0.0
-        for p in params:
-            out, inp = p.local_shape(8)
-            n, k = (inp, out) if dgrad else (out, inp)
-            groups = (rate.kernel_seconds(grouped_gemm_kernel("c", tokens // 8, n, k, 3, "bf16", count=2))
-                      + rate.kernel_seconds(grouped_gemm_kernel("c", tokens // 8, n, k, 2, "bf16")))  # 3 + 3 + 2
-            total += max(groups, rate.kernel_seconds(gemm_kernel("w", tokens, n, k, "bf16")))
-        return total
+        """The chunking's extra seconds over the whole GEMMs: Megatron runs gate and up as one
+        fused GEMM (linear_fc1), which TE chunks."""
+        widths = [p.local_shape(8)[1 if dgrad else 0] for p in params]
+        k = params[0].local_shape(8)[0 if dgrad else 1]
+        n = sum(widths)
+        groups = (rate.kernel_seconds(grouped_gemm_kernel("c", tokens // 8, n, k, 3, "bf16", count=2))
+                  + rate.kernel_seconds(grouped_gemm_kernel("c", tokens // 8, n, k, 2, "bf16")))  # 3 + 3 + 2
+        return max(0.0, groups - rate.kernel_seconds(gemm_kernel("w", tokens, n, k, "bf16")))
 
     f0, f1 = whole.forward[0][1], chunked.forward[0][1]
-    assert f1.first_s == pytest.approx(priced(column))
-    assert f1.last_s == pytest.approx(priced(row))
+    assert f1.first_s == pytest.approx(f0.first_s + priced(column))
+    assert f1.last_s == pytest.approx(f0.last_s + priced(row))
     assert f1.middle_s == f0.middle_s
     assert f1.first_s > f0.first_s and f1.last_s > f0.last_s
     b0, b1 = whole.backward[0][0], chunked.backward[0][0]  # the MLP's backward comes first
     out, inp = row[0].local_shape(8)
     wgrad = rate.kernel_seconds(gemm_kernel("w", out, inp, tokens, "bf16"))
-    assert b1.first_s == pytest.approx(priced(row, dgrad=True) + wgrad)
+    assert b1.first_s == pytest.approx(b0.first_s + priced(row, dgrad=True))
+    assert b0.first_s == pytest.approx(rate.kernel_seconds(gemm_kernel("d", tokens, inp, out, "bf16")) + wgrad)
     assert b1.last_s == b0.last_s and b1.middle_s == b0.middle_s
     assert b1.first_s > b0.first_s
 
