@@ -85,7 +85,7 @@ from sim.ep_dispatch import (
     FlexTraffic,
 )
 from sim.fp8 import CURRENT, DELAYED, FP8, FP8Setup
-from sim.userbuffers import UB_STREAMS
+from sim.userbuffers import UB_STREAMS, GemmChunks
 
 # the head dimension when a caller gives none (every catalog model's: Llama 3, Qwen3)
 DEFAULT_HEAD_DIM = 128
@@ -248,7 +248,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
                      cross_entropy: str = UNFUSED, apply_rope_fusion: bool = True,
                      bias_activation_fusion: bool = True, early_stop: bool = False,
                      torch_loss: bool = False, loss_bytes: int = DTYPE_BYTES["fp32"],
-                     overlap_chunks: Mapping[str, tuple[int, int, int]] | None = None) -> MicroBatchWork:
+                     overlap_chunks: Mapping[str, GemmChunks] | None = None) -> MicroBatchWork:
     """Per layer and block, the seconds of one micro-batch of `tokens` on one of `tp` ranks, for
     the layers of `spec` (a pipeline stage's spec holds only its own); `head`: the stage runs the
     output layer and the loss; `experts`: (experts, experts_per_token) of a mixture-of-experts
@@ -280,7 +280,7 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     are not run again (`_stopped_early`); False: the whole forward again, as Megatron's checkpoint;
     `overlap_chunks`: under Transformer Engine's userbuffers overlap, per block ("attention",
     "mlp") the chunks of its forward column GEMMs, forward row GEMMs and backward row
-    data-gradient GEMMs (`sim.userbuffers.gemm_chunks`; None: every GEMM whole);
+    data-gradient GEMMs (`sim.userbuffers.GemmChunks`; None: every GEMM whole);
     `torch_loss`: the loss is PyTorch's `F.cross_entropy` (`SimConfig.loss_autograd`: the FSDP2
     frameworks'), priced as `sim.eager_kernels` prices it on logits of `loss_bytes` (fp32 where the
     loss upcasts them), as under eager kernels."""
@@ -338,12 +338,13 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
     def gemms(params: Sequence[ParamSpec], backward: bool) -> float:
         return run(gemm_kernels(params, backward))
 
-    def chunked(params: Sequence[ParamSpec], chunks: int, dgrad: bool = False) -> float:
+    def chunked(params: Sequence[ParamSpec], chunks: int, dgrad: bool = False, by_columns: bool = False) -> float:
         """The forward GEMMs of `params` (`dgrad`: their data-gradient GEMMs) as Transformer
         Engine runs them under a userbuffers overlap (`sim.userbuffers.UserbuffersConfig.gemm_chunks`):
         the whole GEMMs plus what chunking costs. Megatron runs the column GEMMs sharing an input
         as one fused GEMM (`linear_qkv`: q, k and v; `linear_fc1`: gate and up), which TE cuts into
-        `chunks` GEMMs of `tokens / chunks` rows, `UB_STREAMS` of them at once sharing the waves (a
+        `chunks` GEMMs of `tokens / chunks` rows (`by_columns`: of all the tokens and `1 / chunks`
+        of the output columns, a `pipeline` reduce-scatter's), `UB_STREAMS` of them at once sharing the waves (a
         grouped GEMM of that many chunks, the last group the `chunks mod UB_STREAMS` left), never
         faster than the whole fused GEMM; one chunk: the whole GEMMs."""
         whole = run(gemm_kernels(params, dgrad, "dgrad"))
@@ -357,9 +358,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         full, rest = divmod(chunks, UB_STREAMS)
         name = f"{params[0].name if len(params) == 1 else 'fused'}{'.dgrad' if dgrad else ''}.chunk"
         for k, n in fused.items():
-            groups = [grouped_gemm_kernel(name, tokens // chunks, n, k, UB_STREAMS, linear, count=full)] if full else []
+            m_c, n_c = (tokens, n // chunks) if by_columns else (tokens // chunks, n)  # a chunk's shape
+            groups = [grouped_gemm_kernel(name, m_c, n_c, k, UB_STREAMS, linear, count=full)] if full else []
             if rest:
-                groups.append(grouped_gemm_kernel(name, tokens // chunks, n, k, rest, linear))
+                groups.append(grouped_gemm_kernel(name, m_c, n_c, k, rest, linear))
             whole += max(0.0, run(groups) - run([gemm_kernel(name, tokens, n, k, linear)]))
         return whole
 
@@ -448,9 +450,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             cast_f, cast_b = _fp8_block(fp8, column, row, tokens, tp, rate) if fp8 is not None else (0.0, 0.0)
             name = f"layer {layer}.{i}"
             # the overlapped GEMMs' chunks under userbuffers (1: the whole GEMM)
-            ag_f, rs_f, ag_b = (overlap_chunks or {}).get("attention" if attention else "mlp", (1, 1, 1))
+            ag_f, rs_f, ag_b, rs_by_columns = (overlap_chunks or {}).get("attention" if attention else "mlp",
+                                                                         GemmChunks(1, 1, 1))
             fwd = Block(name, chunked(column, ag_f), core_f + elementwise(block, attention, False, name) + cast_f,
-                        chunked(row, rs_f), **ring_f)
+                        chunked(row, rs_f, by_columns=rs_by_columns), **ring_f)
             # the layer's last op that saves a tensor is this block's row GEMM (no experts after it):
             # torch's early stop ends the re-run on entering it (`canzona.recompute.rerun_stops_early`)
             stops_here = early_stop and i == len(blocks) - 1 and not moe_by_id[layer]

@@ -40,7 +40,8 @@ How the simulator prices a configuration (`UserbuffersConfig.block_sms`, `sim.co
 The overlapped GEMMs run in chunks (since 2026-12-03: `UserbuffersConfig.gemm_chunks`,
 `sim.model_work`): Transformer Engine issues a ring exchange's GEMM as `tp` cuBLAS calls, one per
 rank's share of the tokens (`CommOverlapP2PBase::split_overlap_ag` / `split_overlap_rs`; an
-all-gather's two shares a call under `aggregate`, which the reduce-scatter ignores), and a `pipeline`'s as `num_splits` calls (`CommOverlapBase::split_overlap_rs`),
+all-gather's two shares a call under `aggregate`, which the reduce-scatter ignores), and a `pipeline`'s as `num_splits` calls of all the tokens, each `1 / num_splits` of the output
+columns (`CommOverlapBase::split_overlap_rs` cuts the weight into row blocks: `GemmChunks.row_by_columns`),
 round-robin on its `_NUM_MAX_UB_STREAMS` = 3 compute streams (transformer_engine/pytorch/module/base.py):
 up to three chunks run at once, their tiles filling the SMs' waves together, priced as a grouped
 GEMM of three chunks (`UB_STREAMS`); a chunk of few rows (TP 8 with CP 2: 512 tokens) leaves
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from canzona.choices import check_choice
 from canzona.errors import SpecError
@@ -70,6 +72,20 @@ RING_EXCHANGE, PIPELINE, BULK = "ring_exchange", "pipeline", "bulk"
 # transformer_engine/pytorch/module/base.py; the chunks go to them round-robin)
 UB_STREAMS = 3
 METHODS = (RING_EXCHANGE, PIPELINE, BULK)
+
+
+class GemmChunks(NamedTuple):
+    """One block's overlapped GEMMs' cuBLAS calls (`UserbuffersConfig.gemm_chunks`): its forward
+    column GEMMs' (under the input's all-gather), its forward row GEMMs' (under the output's
+    reduce-scatter) and its backward row data-gradient GEMMs' (under the output gradient's
+    all-gather); 1: the GEMM whole. `row_by_columns`: the forward row GEMM's chunks are slices of
+    its output columns over all the tokens (a `pipeline`: `CommOverlapBase::split_overlap_rs` cuts
+    the weight into `num_splits` row blocks); else slices of the tokens (a ring exchange's)."""
+
+    column: int
+    row: int
+    row_dgrad: int
+    row_by_columns: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,22 +143,22 @@ class UserbuffersConfig:
             if getattr(self, gemm).method == BULK:
                 raise SpecError(f"{self.name}: {gemm} must be a pipeline or ring-exchange reduce-scatter")
 
-    def gemm_chunks(self, tp: int) -> dict[str, tuple[int, int, int]]:
+    def gemm_chunks(self, tp: int) -> dict[str, GemmChunks]:
         """Per block ("attention", "mlp"), the cuBLAS calls Transformer Engine cuts each overlapped
-        GEMM into at TP `tp` (`GemmChunks`): the forward's column GEMMs under the input's all-gather,
-        its row GEMMs under the output's reduce-scatter, and the backward's row data-gradient GEMMs
-        under the output gradient's all-gather. A ring exchange: `tp` chunks of one rank's share of
-        the tokens (an all-gather's: `tp / 2` of two shares under `aggregate`; TE's ring-exchange
-        reduce-scatter ignores `aggregate`); a `pipeline`: `num_splits`; `bulk` overlaps run the
-        GEMM whole."""
+        GEMM into at TP `tp` (`GemmChunks`). A ring exchange: `tp` chunks of one rank's share of the
+        tokens (an all-gather's: `tp / 2` of two shares under `aggregate`; TE's ring-exchange
+        reduce-scatter ignores `aggregate`); a `pipeline`: `num_splits` chunks of the output
+        columns, all the tokens each; `bulk` overlaps run the GEMM whole."""
         def chunks(g: GemmOverlap, gather: bool) -> int:
             if g.method == RING_EXCHANGE:
                 return max(1, tp // 2) if g.aggregate and gather else tp
             return g.num_splits if g.method == PIPELINE and g.num_splits else 1
 
-        return {"attention": (chunks(self.qkv_fprop, True), chunks(self.proj_fprop, False),
-                              chunks(self.proj_dgrad, True)),
-                "mlp": (chunks(self.fc1_fprop, True), chunks(self.fc2_fprop, False), chunks(self.fc2_dgrad, True))}
+        def block(ag_f: GemmOverlap, rs_f: GemmOverlap, ag_b: GemmOverlap) -> GemmChunks:
+            return GemmChunks(chunks(ag_f, True), chunks(rs_f, False), chunks(ag_b, True), rs_f.method == PIPELINE)
+
+        return {"attention": block(self.qkv_fprop, self.proj_fprop, self.proj_dgrad),
+                "mlp": block(self.fc1_fprop, self.fc2_fprop, self.fc2_dgrad)}
 
     def block_sms(self, *, attention: bool) -> TPOverlapSMs:
         """The SMs the simulator charges a block's overlapped exchanges (attention's or the MLP's)."""
@@ -250,7 +266,7 @@ def check_ub_config(name: str, *, where: str = "") -> str:
 
 
 @functools.cache
-def gemm_chunks(name: str, tp: int) -> dict[str, tuple[int, int, int]]:
+def gemm_chunks(name: str, tp: int) -> dict[str, GemmChunks]:
     """Configuration `name`'s overlapped GEMMs' chunks at TP `tp` (`UserbuffersConfig.gemm_chunks`)."""
     return UB_CONFIGS[check_ub_config(name)].gemm_chunks(tp)
 

@@ -187,10 +187,11 @@ def test_overlapped_gemms_run_in_the_chunks_transformer_engine_cuts_them_into():
     column GEMMs' backward) run whole. Per block: forward column GEMMs, forward row GEMMs, backward
     row data-gradient GEMMs."""
     assert UB_STREAMS == 3  # TE's _NUM_MAX_UB_STREAMS
-    assert gemm_chunks(FP8_405B, 8) == {"attention": (8, 8, 8), "mlp": (8, 8, 8)}
-    assert gemm_chunks(LAUNCHER_405B, 8) == {"attention": (4, 4, 4), "mlp": (4, 4, 4)}  # aggregate; 4 splits
-    assert gemm_chunks(DEFAULT_UB_CONFIG, 4) == {"attention": (4, 4, 4), "mlp": (4, 4, 4)}
-    assert gemm_chunks(FP8_70B, 4) == {"attention": (4, 4, 4), "mlp": (4, 4, 4)}
+    assert gemm_chunks(FP8_405B, 8) == {"attention": (8, 8, 8, False), "mlp": (8, 8, 8, False)}
+    # aggregate; 4 splits, each of the output columns
+    assert gemm_chunks(LAUNCHER_405B, 8) == {"attention": (4, 4, 4, True), "mlp": (4, 4, 4, True)}
+    assert gemm_chunks(DEFAULT_UB_CONFIG, 4) == {"attention": (4, 4, 4, True), "mlp": (4, 4, 4, True)}
+    assert gemm_chunks(FP8_70B, 4) == {"attention": (4, 4, 4, False), "mlp": (4, 4, 4, False)}
 
 
 def test_chunked_gemms_share_the_waves_three_at_a_time():
@@ -240,7 +241,7 @@ def test_aggregate_halves_only_the_all_gathers_chunks():
     ignores it and always runs tp calls."""
     ring = replace(UB_CONFIGS[FP8_405B].proj_fprop, aggregate=True)
     both = replace(UB_CONFIGS[LAUNCHER_405B], name="test-aggregate-rs", proj_fprop=ring, fc2_fprop=ring)
-    assert both.gemm_chunks(8) == {"attention": (4, 8, 4), "mlp": (4, 8, 4)}
+    assert both.gemm_chunks(8) == {"attention": (4, 8, 4, False), "mlp": (4, 8, 4, False)}
 
 
 @pytest.mark.parametrize("model, tp, seq, cp, name", [
@@ -262,3 +263,20 @@ def test_chunks_never_run_faster_than_the_whole_gemm(model, tp, seq, cp, name):
         chunked = micro_batch_work(*args, **kw, **fp8, overlap_chunks=gemm_chunks(name, tp))
         for w, c in zip(whole.forward[0] + whole.backward[0], chunked.forward[0] + chunked.backward[0]):
             assert c.first_s >= w.first_s and c.last_s >= w.last_s, (dtype, w.name)
+
+
+def test_a_pipeline_reduce_scatter_chunks_the_output_columns():
+    """`CommOverlapBase::split_overlap_rs` cuts the weight into `num_splits` row blocks: each call
+    is all the tokens times `1 / num_splits` of the output columns (Qwen3-32B's o projection at TP 8,
+    1024 tokens, 4 splits: 1024 x 1280 x 1024 chunks, not 256 x 5120 x 1024)."""
+    spec, arch = resolve_model("qwen3-32b")
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    args = (spec, 8, 1024, 1024, arch.q_dim, arch.hidden, arch.vocab, rate)
+    kw = dict(kv_dim=arch.kv_dim, head=False)
+    whole = micro_batch_work(*args, **kw).forward[0][0]
+    chunked = micro_batch_work(*args, **kw, overlap_chunks=gemm_chunks(DEFAULT_UB_CONFIG, 8)).forward[0][0]
+    n, k = arch.hidden, arch.q_dim // 8
+    one = rate.kernel_seconds(gemm_kernel("w", 1024, n, k, "bf16"))
+    groups = (rate.kernel_seconds(grouped_gemm_kernel("c", 1024, n // 4, k, 3, "bf16"))
+              + rate.kernel_seconds(grouped_gemm_kernel("c", 1024, n // 4, k, 1, "bf16")))
+    assert chunked.last_s == pytest.approx(whole.last_s + max(0.0, groups - one))
