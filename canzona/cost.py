@@ -55,6 +55,9 @@ class Kernel:
     # a GEMM adding into its output (`C += A B`): the bytes of an element of that output (its
     # accumulator's dtype, read and written by the epilogue); 0: a GEMM writing a fresh output
     accumulate: int = 0
+    # (chunks, at once): `gemm` is one of `chunks` same-shape GEMMs run on `at once` streams
+    # (`chunked_gemm_kernel`); (): one GEMM
+    chunks: tuple[int, int] = ()
 
 
 def gemm_output_bytes(dtype: str) -> int:
@@ -80,6 +83,15 @@ def grouped_gemm_kernel(name: str, m: int, n: int, k: int, groups: int, dtype: s
     one = gemm_kernel(name, m, n, k, dtype, accumulate=accumulate)
     return Kernel(name, "gemm", one.flops * groups, one.bytes * groups, dtype, count, (m * groups, n, k),
                   accumulate=accumulate)
+
+
+def chunked_gemm_kernel(name: str, m: int, n: int, k: int, chunks: int, at_once: int, dtype: str) -> Kernel:
+    """A GEMM issued as `chunks` same-shape `m x n x k` GEMMs round-robin on `at_once` streams
+    (Transformer Engine's userbuffers overlap): their tiles fill the waves together, at most
+    `at_once` chunks' tiles in a wave (`canzona.gemm_model.GemmModel.seconds`)."""
+    one = gemm_kernel(name, m, n, k, dtype)
+    return Kernel(name, "gemm", one.flops * chunks, one.bytes * chunks, dtype, 1.0, (m, n, k),
+                  chunks=(chunks, min(at_once, chunks)))
 
 
 def elementwise_kernel(name: str, numel: int, flops_per: float, bytes_per: float, dtype: str = "fp32") -> Kernel:
@@ -408,11 +420,13 @@ class DeviceRate:
         # an accumulating GEMM's epilogue reads and writes its output at the accumulator's dtype
         # where the fitted GEMMs wrote a bf16 one (canzona.gemm_model)
         extra = 2 * k.accumulate - gemm_output_bytes(k.dtype) if k.accumulate else 0.0
+        chunks, at_once = k.chunks or (1, 1)
         return model.seconds(m, n, depth, rate, self.sms, k.bytes, self.hbm_bytes_per_s, DTYPE_BYTES[k.dtype],
-                             epilogue_bytes=extra)
+                             epilogue_bytes=extra, chunks=chunks, at_once=at_once)
 
     def kernel_seconds(self, k: Kernel) -> float:
-        key = (k.kind, k.flops, k.bytes, k.dtype, k.count, k.gemm, k.solver, k.accumulate)  # what prices it: not its name
+        key = (k.kind, k.flops, k.bytes, k.dtype, k.count, k.gemm, k.solver, k.accumulate,
+               k.chunks)  # what prices it: not its name
         seconds = self._seconds.get(key)
         if seconds is None:
             seconds = self._seconds[key] = self._kernel_seconds(k)

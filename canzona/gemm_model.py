@@ -67,7 +67,8 @@ class GemmModel:
     boost_window_s: float = 0.0
 
     def seconds(self, m: int, n: int, k: int, rate: float, sms: int, nbytes: float, hbm_bytes_per_s: float,
-                operand_bytes: int, *, boost: bool = False, epilogue_bytes: float = 0.0) -> float:
+                operand_bytes: int, *, boost: bool = False, epilogue_bytes: float = 0.0,
+                chunks: int = 1, at_once: int = 1) -> float:
         """Seconds of one `m x n x k` GEMM of `operand_bytes`-byte inputs moving `nbytes`
         (operands and output) at a boost-clock whole-GPU tensor rate `rate` FLOP/s: the fastest
         (tile, split) candidate, each the larger of its compute time and its HBM time, plus the
@@ -75,22 +76,27 @@ class GemmModel:
         sustained load, which a training step is) unless `boost` (a short burst on a cool GPU);
         HBM does not slow with the SM clock. `epilogue_bytes`: what each output element's
         epilogue moves beyond a bf16 output's (an accumulating GEMM: the module docstring), once
-        a tile (after its split-K slices are reduced)."""
+        a tile (after its split-K slices are reduced). `chunks`: `m x n x k` is one of that many
+        same-shape GEMMs (`nbytes` all of theirs) issued on `at_once` streams (Transformer Engine's
+        userbuffers chunks): their tiles fill the waves together, at most `at_once` chunks' tiles
+        in a wave, and each `at_once` of them pays the fixed latency."""
         clock = 1.0 if boost else self.sustained_clock
         per_sm = clock * rate / sms
         best = math.inf
         for tm, tn in self.tiles:
-            tiles = -(-m // tm) * -(-n // tn)
+            per_chunk = -(-m // tm) * -(-n // tn)
+            tiles = per_chunk * chunks
             for split in self.splits:
                 depth = -(-k // split)
-                full, last = divmod(tiles * split, sms)
-                compute = full * self._wave(tm, tn, depth, sms, per_sm, operand_bytes, clock)
+                wide = min(sms, at_once * per_chunk * split)  # the most tiles a wave holds
+                full, last = divmod(tiles * split, wide)
+                compute = full * self._wave(tm, tn, depth, wide, per_sm, operand_bytes, clock)
                 if last:
                     compute += self._wave(tm, tn, depth, last, per_sm, operand_bytes, clock)
                 compute += tiles * tm * tn * (split * self.tile_fixed_bytes + epilogue_bytes) / hbm_bytes_per_s
-                memory = (nbytes + 2 * PARTIAL_BYTES * (split - 1) * m * n) / hbm_bytes_per_s
+                memory = (nbytes + 2 * PARTIAL_BYTES * (split - 1) * m * n * chunks) / hbm_bytes_per_s
                 best = min(best, max(compute, memory))
-        return best + self.fixed_s
+        return best + self.fixed_s * -(-chunks // at_once)
 
     def _wave(self, tm: int, tn: int, depth: int, active: int, per_sm: float, operand_bytes: int,
               clock: float) -> float:

@@ -55,7 +55,14 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from canzona.attention_rate import DEFAULT_ATTENTION_BACKEND, check_attention_backend, measured_on
-from canzona.cost import DeviceRate, Kernel, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
+from canzona.cost import (
+    DeviceRate,
+    Kernel,
+    chunked_gemm_kernel,
+    elementwise_kernel,
+    gemm_kernel,
+    grouped_gemm_kernel,
+)
 from canzona.errors import SpecError
 from canzona.experts import expert_tp_dim, rank_shares
 from canzona.memory import fp8_linear_params
@@ -344,9 +351,10 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
         the whole GEMMs plus what chunking costs. Megatron runs the column GEMMs sharing an input
         as one fused GEMM (`linear_qkv`: q, k and v; `linear_fc1`: gate and up), which TE cuts into
         `chunks` GEMMs of `tokens / chunks` rows (`by_columns`: of all the tokens and `1 / chunks`
-        of the output columns, a `pipeline` reduce-scatter's), `UB_STREAMS` of them at once sharing the waves (a
-        grouped GEMM of that many chunks, the last group the `chunks mod UB_STREAMS` left), never
-        faster than the whole fused GEMM; one chunk: the whole GEMMs."""
+        of the output columns, a `pipeline` reduce-scatter's) round-robin on `UB_STREAMS` streams:
+        all the chunks' tiles, at most `UB_STREAMS` chunks' tiles (and the SMs) in a wave
+        (`canzona.cost.chunked_gemm_kernel`), never faster than the whole fused GEMM; one chunk:
+        the whole GEMMs."""
         whole = run(gemm_kernels(params, dgrad, "dgrad"))
         if chunks <= 1:
             return whole
@@ -355,14 +363,11 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             out, inp = p.local_shape(tp)
             n, k = (inp, out) if dgrad else (out, inp)
             fused[k] = fused.get(k, 0) + n
-        full, rest = divmod(chunks, UB_STREAMS)
         name = f"{params[0].name if len(params) == 1 else 'fused'}{'.dgrad' if dgrad else ''}.chunk"
         for k, n in fused.items():
             m_c, n_c = (tokens, n // chunks) if by_columns else (tokens // chunks, n)  # a chunk's shape
-            groups = [grouped_gemm_kernel(name, m_c, n_c, k, UB_STREAMS, linear, count=full)] if full else []
-            if rest:
-                groups.append(grouped_gemm_kernel(name, m_c, n_c, k, rest, linear))
-            whole += max(0.0, run(groups) - run([gemm_kernel(name, tokens, n, k, linear)]))
+            whole += max(0.0, run([chunked_gemm_kernel(name, m_c, n_c, k, chunks, UB_STREAMS, linear)])
+                         - run([gemm_kernel(name, tokens, n, k, linear)]))
         return whole
 
     # FP8's per-micro-batch scaling work of the whole stage (delayed scaling: the amax all-reduce

@@ -10,7 +10,12 @@ from dataclasses import replace
 
 import pytest
 
-from canzona.cost import DeviceRate, elementwise_kernel, gemm_kernel, grouped_gemm_kernel
+from canzona.cost import (
+    DeviceRate,
+    chunked_gemm_kernel,
+    elementwise_kernel,
+    gemm_kernel,
+)
 from canzona.errors import SpecError
 from canzona.hardware import load_profile
 from canzona.models import resolve_model
@@ -197,7 +202,7 @@ def test_overlapped_gemms_run_in_the_chunks_transformer_engine_cuts_them_into():
 def test_chunked_gemms_share_the_waves_three_at_a_time():
     """Llama 3.1 405B's MLP at TP 8, 4096 tokens a rank (sequence 8192 over CP 2): under
     Megatron-Bridge's FP8 configuration each overlapped GEMM runs as 8 chunks of 512 rows, three at
-    once on TE's streams (a grouped GEMM of three chunks), slower than the whole GEMM; the backward's
+    at most on TE's streams, slower than the whole GEMM; the backward's
     weight-gradient GEMMs and the column GEMMs' data gradients (bulk overlaps) are unchanged."""
     spec, arch = resolve_model("canzona/data/models/llama3.1-405b.json")
     rate = DeviceRate.from_profile(load_profile("h100-sxm"))
@@ -217,9 +222,8 @@ def test_chunked_gemms_share_the_waves_three_at_a_time():
         widths = [p.local_shape(8)[1 if dgrad else 0] for p in params]
         k = params[0].local_shape(8)[0 if dgrad else 1]
         n = sum(widths)
-        groups = (rate.kernel_seconds(grouped_gemm_kernel("c", tokens // 8, n, k, 3, "bf16", count=2))
-                  + rate.kernel_seconds(grouped_gemm_kernel("c", tokens // 8, n, k, 2, "bf16")))  # 3 + 3 + 2
-        return max(0.0, groups - rate.kernel_seconds(gemm_kernel("w", tokens, n, k, "bf16")))
+        chunks = rate.kernel_seconds(chunked_gemm_kernel("c", tokens // 8, n, k, 8, 3, "bf16"))
+        return max(0.0, chunks - rate.kernel_seconds(gemm_kernel("w", tokens, n, k, "bf16")))
 
     f0, f1 = whole.forward[0][1], chunked.forward[0][1]
     assert f1.first_s == pytest.approx(f0.first_s + priced(column))
@@ -277,6 +281,24 @@ def test_a_pipeline_reduce_scatter_chunks_the_output_columns():
     chunked = micro_batch_work(*args, **kw, overlap_chunks=gemm_chunks(DEFAULT_UB_CONFIG, 8)).forward[0][0]
     n, k = arch.hidden, arch.q_dim // 8
     one = rate.kernel_seconds(gemm_kernel("w", 1024, n, k, "bf16"))
-    groups = (rate.kernel_seconds(grouped_gemm_kernel("c", 1024, n // 4, k, 3, "bf16"))
-              + rate.kernel_seconds(grouped_gemm_kernel("c", 1024, n // 4, k, 1, "bf16")))
+    groups = rate.kernel_seconds(chunked_gemm_kernel("c", 1024, n // 4, k, 4, 3, "bf16"))
     assert chunked.last_s == pytest.approx(whole.last_s + max(0.0, groups - one))
+
+
+def test_chunks_fill_the_waves_together_at_most_three_chunks_a_wave():
+    """All the chunks' tiles share the waves, at most 3 chunks' tiles (TE's streams) and the SMs
+    in one: Llama 3.1 405B's fused gate/up at TP 8 (512-row chunks of 13312 columns) fills the GPU
+    with one chunk, so its 8 chunks run the whole GEMM's waves and pay only the fixed latency of
+    each 3 (before: a partly empty last wave for every group of 3); Qwen3-32B's 128-row chunks
+    at TP 8 (1024 tokens) fill 3 chunks' tiles a wave, no more: dearer than the whole GEMM,
+    cheaper than the 8 run one after another."""
+    rate = DeviceRate.from_profile(load_profile("h100-sxm"))
+    model = rate.gemm_model
+    whole = rate.kernel_seconds(gemm_kernel("w", 4096, 13312, 16384, "fp8"))
+    chunks = rate.kernel_seconds(chunked_gemm_kernel("c", 512, 13312, 16384, 8, 3, "fp8"))
+    assert chunks == pytest.approx(whole + 2 * model.fixed_s)
+    assert chunked_gemm_kernel("c", 512, 13312, 16384, 8, 3, "fp8").chunks == (8, 3)
+    whole = rate.kernel_seconds(gemm_kernel("w", 1024, 1280, 5120, "bf16"))
+    chunks = rate.kernel_seconds(chunked_gemm_kernel("c", 128, 1280, 5120, 8, 3, "bf16"))
+    alone = 8 * rate.kernel_seconds(gemm_kernel("c", 128, 1280, 5120, "bf16"))
+    assert whole < chunks < alone
