@@ -496,8 +496,11 @@ class _Stage:
         overlapped as Transformer Engine's TP communication overlap does, or in series.
         `no_grad`: the forward runs without autograd (the first forward of a layer under full
         recompute, `forward_layer`), where TE gathers the input with NCCL before the first GEMMs
-        even under the overlap; the reduce-scatter overlaps as ever."""
+        even under the overlap and runs the column GEMMs whole (`Block.without_grad`); the
+        reduce-scatter overlaps as ever."""
         ctx, ranks = self.ctx, self.ranks
+        if no_grad:
+            b = b.without_grad()
         # torch's early stop (a block that does not scatter its output) re-runs under FSDP only
         assert b.sends_output, "a stopped-early re-run on the ZeRO-1 layout"
         if b.recompute is not None:  # full recompute: the forward block again first, its collectives with it

@@ -154,6 +154,15 @@ class Block:
     # row-parallel GEMMs the stop skips (`_stopped_early`), an expert block's DeepEP combine
     # (`_expert_rerun`)
     sends_output: bool = True
+    # a forward block's first GEMMs whole where `first_s` prices them in userbuffers chunks: what
+    # a forward without grad runs (TE turns the all-gather's overlap off there: `without_grad`)
+    whole_first_s: float | None = None
+
+    def without_grad(self) -> Block:
+        """The block as a forward without autograd runs it (the first forward of a layer under full
+        recompute): Transformer Engine's `ub_overlap_ag_fprop and is_grad_enabled` runs the
+        column GEMMs whole, not in the userbuffers chunks (`whole_first_s`)."""
+        return self if self.whole_first_s is None else replace(self, first_s=self.whole_first_s, whole_first_s=None)
 
     def step_seconds(self, i: int) -> float:
         """Seconds of ring step `i` of the attention core."""
@@ -458,7 +467,8 @@ def micro_batch_work(spec: ModelSpec, tp: int, tokens: int, seq_len: int, q_dim:
             ag_f, rs_f, ag_b, rs_by_columns = (overlap_chunks or {}).get("attention" if attention else "mlp",
                                                                          GemmChunks(1, 1, 1))
             fwd = Block(name, chunked(column, ag_f), core_f + elementwise(block, attention, False, name) + cast_f,
-                        chunked(row, rs_f, by_columns=rs_by_columns), **ring_f)
+                        chunked(row, rs_f, by_columns=rs_by_columns),
+                        whole_first_s=gemms(column, False) if ag_f > 1 else None, **ring_f)
             # the layer's last op that saves a tensor is this block's row GEMM (no experts after it):
             # torch's early stop ends the re-run on entering it (`canzona.recompute.rerun_stops_early`)
             stops_here = early_stop and i == len(blocks) - 1 and not moe_by_id[layer]

@@ -1085,7 +1085,9 @@ def block_floor(b: Block, gathers: int, tp_cost: tuple[float, float] | None, ove
     ring (`cp_ring_floor`), which stand for its core's kernel seconds (inside the middle GEMMs'
     or the block's). `no_grad`: a forward without autograd
     (`canzona.recompute.forward_without_grad`), whose overlapped all-gather runs before the first
-    GEMMs."""
+    GEMMs, run whole (`Block.without_grad`)."""
+    if no_grad:
+        b = b.without_grad()
     core = ring(b) - b.core_s * stretch if ring is not None and b.ring_steps else 0.0
     if tp_cost is None or not b.tp_collectives or b.ep_bytes:
         return b.seconds * stretch + core

@@ -302,3 +302,21 @@ def test_chunks_fill_the_waves_together_at_most_three_chunks_a_wave():
     chunks = rate.kernel_seconds(chunked_gemm_kernel("c", 128, 1280, 5120, 8, 3, "bf16"))
     alone = 8 * rate.kernel_seconds(gemm_kernel("c", 128, 1280, 5120, "bf16"))
     assert whole < chunks < alone
+
+
+def test_a_forward_without_grad_runs_its_column_gemms_whole():
+    """Under full recompute the first forward runs without grad, where TE turns the all-gather's
+    userbuffers overlap off (`ub_overlap_ag_fprop and is_grad_enabled`): its column GEMMs run
+    whole after an NCCL all-gather; the re-run in the backward, with grad, runs them in chunks."""
+    cfg = replace(CFG, options=replace(CFG.options, recompute="full")).at_one_rank_defaults()
+    plain = replace(cfg, options=replace(cfg.options, recompute="none"))
+
+    def took(cfg: SimConfig, name: str) -> float:
+        span = next(s for s in simulate(cfg).spans if s.rank == 0 and s.phase == "A" and s.name == name)
+        return span.end - span.start
+
+    no_grad = took(cfg, "mb0 fwd layer 0.1 first")
+    rerun = took(cfg, "mb0 bwd layer 0.1 recompute first")
+    chunked = took(plain, "mb0 fwd layer 0.1 first")
+    assert rerun == pytest.approx(chunked)
+    assert no_grad < chunked
