@@ -40,16 +40,20 @@ How the simulator prices a configuration (`UserbuffersConfig.block_sms`, `sim.co
 The overlapped GEMMs run in chunks (since 2026-12-03: `UserbuffersConfig.gemm_chunks`,
 `sim.model_work`): Transformer Engine issues a ring exchange's GEMM as `tp` cuBLAS calls, one per
 rank's share of the tokens (`CommOverlapP2PBase::split_overlap_ag` / `split_overlap_rs`; an
-all-gather's two shares a call under `aggregate`, which the reduce-scatter ignores), and a `pipeline`'s as `num_splits` calls of all the tokens, each `1 / num_splits` of the output
-columns (`CommOverlapBase::split_overlap_rs` cuts the weight into row blocks: `GemmChunks.row_by_columns`),
-round-robin on its `_NUM_MAX_UB_STREAMS` = 3 compute streams (transformer_engine/pytorch/module/base.py):
-up to three chunks run at once, their tiles filling the SMs' waves together, priced as a grouped
-GEMM of three chunks (`UB_STREAMS`); a chunk of few rows (TP 8 with CP 2: 512 tokens) leaves
-more of its waves partly empty than the whole GEMM would. `bulk` overlaps run the GEMM whole.
-Not priced, recorded only: `fp8_buf` (the reduce-scatter's buffer
-in FP8; the simulator moves the activation dtype under userbuffers, `sim.iteration.tp_gather_bytes`),
-`atomic_gemm` (false in every configuration here) and the ring-exchange reduce-scatter's GEMM
-chunks' several streams. The ring exchange's last step is priced (since 2026-11-30): once every
+all-gather's two shares a call under `aggregate`, which the reduce-scatter ignores), and a
+`pipeline`'s as `num_splits` calls of all the tokens, each `1 / num_splits` of the output columns
+(`CommOverlapBase::split_overlap_rs` cuts the weight into row blocks: `GemmChunks.row_by_columns`),
+round-robin on its `_NUM_MAX_UB_STREAMS` = 3 compute streams (transformer_engine/pytorch/module/base.py),
+the ring-exchange reduce-scatter's chunks as the all-gathers'. Megatron's fused GEMMs (`linear_qkv`,
+`linear_fc1`) are what TE chunks. Priced (`canzona.cost.chunked_gemm_kernel`): all the chunks'
+tiles share the waves, at most three chunks' tiles (`UB_STREAMS`) and the SMs in one, the fixed
+latency once per three chunks, never faster than the whole GEMM: a chunk that fills the GPU alone
+costs little, chunks of few rows (Qwen3-32B at TP 8, 1024 tokens: 128) leave waves partly empty.
+`bulk` overlaps, and a forward without grad (TE's `ub_overlap_ag_fprop and is_grad_enabled`:
+`sim.model_work.Block.without_grad`), run the column GEMMs whole.
+Not priced, recorded only: `fp8_buf` (the reduce-scatter's buffer in FP8; the simulator moves the
+activation dtype under userbuffers, `sim.iteration.tp_gather_bytes`) and `atomic_gemm` (false in
+every configuration here). The ring exchange's last step is priced (since 2026-11-30): once every
 chunk is sent and received, `reduce_bf16` sums the TP partial outputs of the rank's slice on the
 main stream, `tp` slices read and one written (`sim.iteration._Stage._ring_rs_sum_s`). `cga_size` (2 for every `bulk` and `pipeline` GEMM here, 1 for the ring
 exchanges) is the communication kernel's cluster shape: not recorded, not priced.
