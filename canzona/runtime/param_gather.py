@@ -329,11 +329,12 @@ def module_links(holders: Holders, parents: Parents) -> Links:
 
 
 # a root the optimizer's names were given from, at construction: (the module, weakly, the prefix to
-# drop from an optimizer's name, the prefix to add, its tied names): `name` is `add + name[len(drop):]`
-# from the root, wrapper components left out (`canonical_name`: a `torch.compile` wrapper's
-# `_orig_mod.`); the tied names are the root's other names of the optimizer's parameters at
-# construction (a head tied to the embedding: `lm_head.weight` -> `embed.weight`)
-Roots = list[tuple["weakref.ref[nn.Module]", str, str, dict[str, str]]]
+# drop from an optimizer's name, the prefix to add, its tied names, every name of its parameters):
+# `name` is `add + name[len(drop):]` from the root, wrapper components left out (`canonical_name`: a
+# `torch.compile` wrapper's `_orig_mod.`); the tied names are the root's other names of the
+# optimizer's parameters at construction (a head tied to the embedding: `lm_head.weight` ->
+# `embed.weight`); every name, the optimizer's or not, to tell a name that came since (`_fresh`)
+Roots = list[tuple["weakref.ref[nn.Module]", str, str, dict[str, str], frozenset[str]]]
 
 
 class ModuleLinks:
@@ -419,7 +420,7 @@ def construction_roots(links: Links, params: Mapping[str, Tensor]) -> Roots:
                 by_id = {id(p): n for n, p in params.items()}
                 tied = {t: by_id[id(p)] for t, p in names.items()
                         if id(p) in by_id and t != add + by_id[id(p)][len(drop):]}
-                out.append((weakref.ref(root), drop, add, tied))
+                out.append((weakref.ref(root), drop, add, tied, frozenset(names)))
                 break
         # a wrapper's one child holding them all (the model under a compile or DDP wrapper), in case
         # the wrapper goes while the model stays
@@ -429,44 +430,78 @@ def construction_roots(links: Links, params: Mapping[str, Tensor]) -> Roots:
     return out
 
 
-def _untied(tied: Mapping[str, str], params: Mapping[str, Tensor], names: Mapping[str, Tensor]) -> str | None:
-    """The first tied name of a root (`Roots`) that holds a tensor none of `params` now (a new head
-    in place of one tied to the embedding), or None. A tied name gone, or holding another of
-    `params`, trains nothing this optimizer does not step."""
+# a name of a root that trains a tensor none of the optimizer's (`_fresh`), and the optimizer's
+# parameter it stands for (the one tied to it then) or is nearest (by the names' leading components)
+Fresh = tuple[str, str]
+
+
+def _fresh(drop: str, add: str, tied: Mapping[str, str], built: frozenset[str], params: Mapping[str, Tensor],
+           names: Mapping[str, Tensor]) -> Fresh | None:
+    """The first name of a root (`Roots`) that trains a tensor none of `params` now, or None: a
+    tied name holding another tensor (a new head in place of one tied to the embedding), or a
+    name not there at construction (`built`) holding one that requires grad (the head put in an
+    `nn.Sequential`, `lm_head.0.weight`; a bias on a head tied again; a new Parameter on a layer
+    replaced by one holding its Parameters). A tied name gone, or holding another of `params`, or a
+    new frozen tensor, trains nothing this optimizer does not step."""
     mine = {id(p) for p in params.values()}
-    return next((t for t in tied if (q := names.get(t)) is not None and id(q) not in mine), None)
+    untied = next((t for t in tied if (q := names.get(t)) is not None and id(q) not in mine), None)
+    if untied is not None:
+        return untied, tied[untied]
+    new = next((n for n, q in names.items() if n not in built and id(q) not in mine and q.requires_grad), None)
+    if new is None:
+        return None
+    # the optimizer's parameter whose name (at construction, from this root) shares most leading components
+    ours = [(add + n[len(drop):], n) for n in params] + list(tied.items())
+    parts = new.split(".")
+
+    def shared(name: str) -> int:
+        k = 0
+        for a, b in zip(parts, name.split(".")):
+            if a != b:
+                break
+            k += 1
+        return k
+    return new, max(ours, key=lambda o: shared(o[0]))[1]
 
 
-def _lost(roots: Roots, params: Mapping[str, Tensor]) -> tuple[str | None, bool, bool, str | None]:
+def _lost(roots: Roots, params: Mapping[str, Tensor]) -> tuple[str | None, bool, bool, Fresh | None]:
     """(the first of `params` not found from a live root of `roots` by its construction name, or
     None; whether all of `params` are still under a live root, by any name (then it moved); whether
-    any root lives; a tied name of a root that holds a tensor none of `params` now, `_untied`, or
-    None). Each root's names are read once."""
-    live = [(r, d, a, t) for ref, d, a, t in roots if (r := ref()) is not None]
+    any root lives; a name of a root that trains a tensor none of `params` now, `_fresh`, or None).
+    Each root's names are read once."""
+    live = [(r, *rest) for ref, *rest in roots if (r := ref()) is not None]
     if not live:
         return None, True, False, None
-    wrong = untied = None
+    wrong = fresh = None
     held: set[int] = set()
-    for root, drop, add, tied in live:
+    for root, drop, add, tied, built in live:
         names = _canonical_params(root)
         held.update(id(p) for p in names.values())
         if wrong is None:
             wrong = _resolves(root, drop, add, params, names)
-        if untied is None:
-            untied = _untied(tied, params, names)
+        if fresh is None:
+            fresh = _fresh(drop, add, tied, built, params, names)
     if wrong is None:
-        return None, True, True, untied
+        return None, True, True, fresh
     # a parameter under no root at all first (replaced, dropped), else the first under another name
     gone = next((n for n, p in params.items() if id(p) not in held), None)
-    return gone or wrong, gone is None, True, untied
+    return gone or wrong, gone is None, True, fresh
 
 
-def in_place(roots: Roots, params: Mapping[str, Tensor]) -> bool:
-    """Whether every one of `params` is found from the live construction `roots` by its name, and
-    no tied name of theirs holds a tensor none of `params` (`_lost`): what a module holding one
-    of them that left the model (`replaced_parameter`'s holders) leaves to train as before."""
-    lost, _, rooted, untied = _lost(roots, params)
-    return rooted and lost is None and untied is None
+def _fresh_message(fresh: Fresh, where: str) -> str:
+    """The error of a name that trains a tensor none of the optimizer's (`_fresh`): `where`, what shows it."""
+    name, ours = fresh
+    return replaced_message(ours, f"{where}: {name!r} is a tensor this optimizer does not hold")
+
+
+def in_place(roots: Roots, params: Mapping[str, Tensor]) -> tuple[bool, str | None]:
+    """(whether every one of `params` is found from the live construction `roots` by its name; the
+    error of a name there that trains a tensor none of `params`, `_fresh`, or None): with both, a
+    module holding one of them that left the model (`replaced_parameter`'s holders) leaves the
+    model to train as before (`_lost`)."""
+    lost, _, rooted, fresh = _lost(roots, params)
+    placed = rooted and lost is None
+    return placed, _fresh_message(fresh, "its module was replaced") if placed and fresh is not None else None
 
 
 def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] | None = None,
@@ -495,15 +530,16 @@ def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] 
             changed.append((parent, attr, child, now))
     if not changed:
         return None
-    lost, kept, rooted, untied = _lost(roots or [], params)
-    if lost is None and untied is not None:  # a tied name holds a new tensor: a new head, untied
-        tied = next(t[untied] for *_, t in roots if untied in t)
-        parent, attr, _, now = next((c for c in changed if c[0] is not None and c[2] is not None and
-                                     any(q is params[tied] for q in c[2]._parameters.values())),
-                                    next((c for c in changed if c[0] is not None), changed[0]))
+    lost, kept, rooted, fresh = _lost(roots or [], params)
+    if lost is None and fresh is not None:  # a name trains a new tensor: a new head, untied; a new Parameter
+        p = params[fresh[1]]
+        named = [c for c in changed if c[0] is not None and c[2] is not None]
+        parent, attr, _, now = next((c for c in named if any(q is p for q in c[2]._parameters.values())), None) or \
+            next((c for c in named if any(q is p for q in c[2].parameters())),
+                 next((c for c in changed if c[0] is not None), changed[0]))
         where = f"{type(parent).__name__}.{attr} now holds another module" if parent is not None else \
             "its module's parent left the model"
-        return replaced_message(tied, f"{where}: {untied!r}, tied to it then, is another tensor")
+        return _fresh_message(fresh, where)
     if not rooted:  # no live root: an old child that lives must have its parameters in the model
         reachable = {id(p) for root in _roots(links) for p in root.parameters()}
         mine = {id(p): n for n, p in params.items()}
@@ -599,14 +635,18 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Mo
     it) or moved with its parameters is no replacement (`links_changed`). A holder that left the
     model (freed, or holding another tensor now) is no error either where the names say so
     (`in_place`: a head tied to the embedding replaced by a new one tied to it again, a module
-    replaced by one holding the same Parameters): `holders` are then taken again from the roots,
+    replaced by one holding the same Parameters), and no name there trains a tensor the optimizer
+    does not hold (`_fresh`: a new Parameter beside them): `holders` are then taken again from the roots,
     so the verdict is the same whether gc freed the old module or not."""
     for name, refs in holders.items():
         p = params[name]
         for ref, attr in refs:
             module = ref()
             if module is None or module._parameters.get(attr) is not p:
-                if links is None or not in_place(links.roots, params):
+                placed, fresh = (False, None) if links is None else in_place(links.roots, params)
+                if fresh is not None:
+                    return fresh
+                if not placed:
                     where = f"{type(module).__name__}.{attr}" if module is not None else \
                         f"the module that held it ({attr})"
                     return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")

@@ -1244,6 +1244,64 @@ def test_a_new_head_untied_from_the_embedding_is_one_error_whatever_gc_did(one_r
         gc.enable()
 
 
+class _Scaled(torch.nn.Linear):
+    """A layer replaced by one holding the old layer's weight and bias plus a new `scale` Parameter."""
+
+    def __init__(self, old: torch.nn.Linear):
+        super().__init__(8, 8)
+        self.weight, self.bias = old.weight, old.bias
+        self.scale = torch.nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+@pytest.mark.parametrize("old", ["freed", "in a cycle"])
+@pytest.mark.parametrize("change", ["head in a Sequential", "head tied again with a bias", "layer scaled"])
+def test_a_module_replaced_by_one_holding_its_parameters_and_new_ones_is_one_error(one_rank, change, old):
+    """A module replaced by one holding the optimizer's Parameters (by their names, or tied again)
+    plus new trainable ones (the head in an `nn.Sequential`: `lm_head.0.weight`; a head tied to the
+    embedding again but with a bias: `lm_head.bias`; a layer wrapped as `_Scaled` with a new `scale`):
+    the model trains the new ones, which this optimizer never steps. One error naming the new name
+    and the optimizer's parameter nearest it, nothing updated, whatever became of the old module.
+    Before: accepted (every optimizer parameter was found by its name), the new ones never stepped."""
+    import gc
+
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+
+    model, opt = _tied_lm_optimizer()
+    tokens = torch.randint(0, 16, (3, 5))
+    _lm_step(model, opt, tokens)
+    gc.disable()
+    try:
+        if change == "layer scaled":
+            kept = model.layers[0]
+            model.layers[0] = _Scaled(kept)
+            nearest, new = "layers.0.weight", "layers.0.scale"
+        else:
+            kept = model.lm_head
+            if change == "head in a Sequential":
+                model.lm_head = nn.Sequential(nn.Linear(8, 16, bias=False))
+                new = "lm_head.0.weight"
+            else:
+                model.lm_head = nn.Linear(8, 16, bias=True)
+                model.lm_head.weight = model.embed.weight
+                new = "lm_head.bias"
+            nearest = "embed.weight"
+        if old == "in a cycle":
+            kept.cycle = [kept]
+        del kept
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(CanzonaError, match=rf"parameter '{nearest}' was replaced after the optimizer was built "
+                                               rf"\(.*'{new}'"):
+            _lm_step(model, opt, tokens)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("old_head", ["freed", "in a cycle", "in a cycle, collected after a step"])
 def test_a_new_head_tied_to_the_embedding_again_trains_as_before_whatever_gc_did(one_rank, old_head):
     """The tied head replaced by a new one tied to the embedding again: the model trains what it
