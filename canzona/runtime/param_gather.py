@@ -348,14 +348,17 @@ class ModuleLinks:
     registration: a change that registers nothing and leaves every parameter its gradient where
     every parameter gets one (two modules swapped through `_modules`, `ModuleList.insert` of a
     module without submodules, nothing removed). `roots`: where the optimizer's names were
-    taken from (`construction_roots`), against which a mismatched link is judged."""
+    taken from (`construction_roots`), against which a mismatched link is judged. `moved`: set
+    where a walk accepted links that no longer stood (and took them again), for the holders to be
+    taken again too (`replaced_parameter`)."""
 
-    __slots__ = ("links", "roots", "_walked")
+    __slots__ = ("links", "roots", "_walked", "moved")
 
     def __init__(self, links: Links, params: Mapping[str, Tensor] | None = None) -> None:
         self.links = links
         self.roots = construction_roots(links, params) if params else []
         self._walked = -1  # the count at the last walk that found nothing
+        self.moved = False
         _watch_registrations()
 
     def changed(self, params: Mapping[str, Tensor] | Callable[[], Mapping[str, Tensor]],
@@ -373,6 +376,7 @@ class ModuleLinks:
         if problem is None:
             if moved:  # the links follow what moved (or went): from the model's roots down, as now
                 self.links = relinked(self.links, params, self.roots)
+                self.moved = True
             self._walked = count
         return problem
 
@@ -494,14 +498,14 @@ def _fresh_message(fresh: Fresh, where: str) -> str:
     return replaced_message(ours, f"{where}: {name!r} is a tensor this optimizer does not hold")
 
 
-def in_place(roots: Roots, params: Mapping[str, Tensor]) -> tuple[bool, str | None]:
+def in_place(roots: Roots, params: Mapping[str, Tensor], where: str = "") -> tuple[bool, str | None]:
     """(whether every one of `params` is found from the live construction `roots` by its name; the
     error of a name there that trains a tensor none of `params`, `_fresh`, or None): with both, a
     module holding one of them that left the model (`replaced_parameter`'s holders) leaves the
-    model to train as before (`_lost`)."""
+    model to train as before (`_lost`). `where`: what shows it, for the error."""
     lost, _, rooted, fresh = _lost(roots, params)
     placed = rooted and lost is None
-    return placed, _fresh_message(fresh, "its module was replaced") if placed and fresh is not None else None
+    return placed, _fresh_message(fresh, where) if placed and fresh is not None else None
 
 
 def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] | None = None,
@@ -638,29 +642,53 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Mo
     replaced by one holding the same Parameters), and no name there trains a tensor the optimizer
     does not hold (`_fresh`: a new Parameter beside them): `holders` are then taken again from the roots,
     so the verdict is the same whether gc freed the old module or not."""
+    failed = _failed_holder(params, holders)
+    if failed is not None:
+        name, module, attr = failed
+        where = f"{type(module).__name__}.{attr} now holds another tensor" if module is not None else \
+            f"the module that held it ({attr}) is gone"
+        placed, fresh = (False, None) if links is None else in_place(links.roots, params, where)
+        if fresh is not None:
+            return fresh
+        if not placed:
+            held = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
+            return replaced_message(name, f"{held} now holds another tensor, or its module was replaced")
+        _rehold(holders, links.roots, params)
+    if links is None:
+        return None
+    problem = links.changed(params, missed)
+    if problem is None and links.moved:
+        # a walk accepted links that no longer stood (a tied head replaced by one tied again, the old
+        # head alive): the old module may still hold the parameters, so the holders are taken again
+        # too, or a later Parameter assigned to the new one (no walk) would train unseen
+        links.moved = False
+        _rehold(holders, links.roots, params)
+    return problem
+
+
+def _failed_holder(params: Mapping[str, Tensor],
+                   holders: Holders) -> tuple[str, nn.Module | None, str] | None:
+    """The first holder (`Holders`) freed or holding another tensor than its parameter now: (the
+    parameter's name, the module or None, the attribute), or None (the step's check: a loop)."""
     for name, refs in holders.items():
         p = params[name]
         for ref, attr in refs:
             module = ref()
             if module is None or module._parameters.get(attr) is not p:
-                placed, fresh = (False, None) if links is None else in_place(links.roots, params)
-                if fresh is not None:
-                    return fresh
-                if not placed:
-                    where = f"{type(module).__name__}.{attr}" if module is not None else \
-                        f"the module that held it ({attr})"
-                    return replaced_message(name, f"{where} now holds another tensor, or its module was replaced")
-                _rehold(holders, links.roots, params)  # the walk over them ends here
-                return links.changed(params, missed)
-    return links.changed(params, missed) if links is not None else None
+                return name, module, attr
+    return None
 
 
 def _rehold(holders: Holders, roots: Roots, params: Mapping[str, Tensor]) -> None:
-    """`holders` taken again, in place, from the live `roots` down (`param_holders`' entries)."""
+    """`holders` taken again, in place, from the live `roots` down (`param_holders`' entries); left
+    as they are without a live root."""
     by_id = {id(p): n for n, p in params.items()}
     found: Holders = {}
     seen: set[int] = set()
-    for root in (r for ref, *_ in roots if (r := ref()) is not None):
+    live = [r for ref, *_ in roots if (r := ref()) is not None]
+    if not live:
+        return
+    for root in live:
         for module in root.modules():
             if id(module) not in seen:
                 seen.add(id(module))

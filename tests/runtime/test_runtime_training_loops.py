@@ -1331,6 +1331,37 @@ def test_a_new_head_tied_to_the_embedding_again_trains_as_before_whatever_gc_did
     assert all(torch.equal(p, dict(reference.named_parameters())[n]) for n, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("old_head", ["freed", "in a cycle"])
+def test_a_head_tied_again_then_untied_by_a_new_parameter_is_one_error_whatever_gc_did(one_rank, old_head):
+    """The tied head replaced by a new one tied to the embedding again (accepted, a step trains),
+    then untied by a Parameter assigned to it (`model.lm_head.weight = nn.Parameter(...)`: no module
+    registered, the embedding still gets a gradient, so no walk of the links): the model trains the
+    new weight, which this optimizer never steps. One error, nothing updated, whatever became of the
+    old head. Before: with the old head alive in a cycle the accepted walk moved the links but kept
+    the old head as the embedding's holder (it still held it), so the untied head trained silently."""
+    import gc
+
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+
+    model, opt = _tied_lm_optimizer()
+    tokens = torch.randint(0, 16, (3, 5))
+    _lm_step(model, opt, tokens)
+    gc.disable()
+    try:
+        _replace_head(model, old_head, tie=True)
+        _lm_step(model, opt, tokens)
+        model.lm_head.weight = nn.Parameter(model.embed.weight.detach().clone())
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(CanzonaError, match=r"parameter 'embed\.weight' was replaced after the optimizer was built "
+                                               r"\(.*'lm_head\.weight'"):
+            _lm_step(model, opt, tokens)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"overlap_step": True}], ids=["default", "overlap_step"])
 def test_an_optimizer_dropped_takes_its_hooks_with_it_without_gc(one_rank, kwargs):
     """An optimizer dropped (`del opt`, gc disabled: a notebook's rebuild, an LR-finder sweep) is
