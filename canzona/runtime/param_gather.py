@@ -350,15 +350,18 @@ class ModuleLinks:
     module without submodules, nothing removed). `roots`: where the optimizer's names were
     taken from (`construction_roots`), against which a mismatched link is judged. `moved`: set
     where a walk accepted links that no longer stood (and took them again), for the holders to be
-    taken again too (`replaced_parameter`)."""
+    taken again too (`replaced_parameter`). `frozen`: the frozen tensors a walk accepted where a
+    name of a root trains nothing the optimizer holds (`_fresh`: a tied head replaced by a frozen
+    one), weakly: one set to require grad since sends the next step to judge the names again."""
 
-    __slots__ = ("links", "roots", "_walked", "moved")
+    __slots__ = ("links", "roots", "_walked", "moved", "frozen")
 
     def __init__(self, links: Links, params: Mapping[str, Tensor] | None = None) -> None:
         self.links = links
         self.roots = construction_roots(links, params) if params else []
         self._walked = -1  # the count at the last walk that found nothing
         self.moved = False
+        self.frozen: list[weakref.ref[Tensor]] = []
         _watch_registrations()
 
     def changed(self, params: Mapping[str, Tensor] | Callable[[], Mapping[str, Tensor]],
@@ -367,18 +370,32 @@ class ModuleLinks:
         (taken only when the links are walked: FSDP2's, whose modules hold the unsharded tensors
         while unsharded). `missed`: the names of the parameters that got no gradient this step."""
         count = _registrations[0]
-        if count == self._walked and _registration_hook and not (missed is not None and missed()):
+        thawed = bool(self.frozen) and any(t is not None and t.requires_grad for t in (r() for r in self.frozen))
+        if not thawed and count == self._walked and _registration_hook and not (missed is not None and missed()):
             return None
         if callable(params):
             params = params()
+        frozen: list[Tensor] = []
+        if thawed:  # a frozen tensor accepted in a name's place now requires grad
+            fresh = _lost(self.roots, params, frozen)[3]
+            self.frozen = []
+            if fresh is not None:
+                return _fresh_message(fresh, "a frozen tensor in its place requires grad now")
         moved: list[bool] = []
-        problem = links_changed(self.links, params, moved, self.roots)
+        problem = links_changed(self.links, params, moved, self.roots, frozen)
         if problem is None:
+            self.watch(frozen)
             if moved:  # the links follow what moved (or went): from the model's roots down, as now
                 self.links = relinked(self.links, params, self.roots)
                 self.moved = True
             self._walked = count
         return problem
+
+    def watch(self, frozen: Iterable[Tensor]) -> None:
+        """Watch `frozen` too (`ModuleLinks.frozen`), each once."""
+        known = {id(t) for r in self.frozen if (t := r()) is not None}
+        self.frozen = [r for r in self.frozen if r() is not None]
+        self.frozen.extend(weakref.ref(t) for t in frozen if id(t) not in known and not known.add(id(t)))
 
 
 def _canonical_params(root: nn.Module) -> dict[str, Tensor]:
@@ -440,20 +457,24 @@ Fresh = tuple[str, str]
 
 
 def _fresh(drop: str, add: str, tied: Mapping[str, str], built: frozenset[str], params: Mapping[str, Tensor],
-           names: Mapping[str, Tensor]) -> Fresh | None:
+           names: Mapping[str, Tensor], frozen: list[Tensor] | None = None) -> Fresh | None:
     """The first name of a root (`Roots`) that trains a tensor none of `params` now, or None: a
     tied name holding another tensor (a new head in place of one tied to the embedding), or a
     name not there at construction (`built`) holding one that requires grad (the head put in an
     `nn.Sequential`, `lm_head.0.weight`; a bias on a head tied again; a new Parameter on a layer
-    replaced by one holding its Parameters). A tied name gone, or holding another of `params`, or a
-    new frozen tensor, trains nothing this optimizer does not step."""
+    replaced by one holding its Parameters). A tied name gone, or holding another of `params`, trains
+    nothing this optimizer does not step; nor does a frozen tensor in such a place (a tied head
+    replaced by a frozen one), which goes into `frozen` (to be watched: `ModuleLinks.frozen`)."""
     mine = {id(p) for p in params.values()}
-    untied = next((t for t in tied if (q := names.get(t)) is not None and id(q) not in mine), None)
-    if untied is not None:
-        return untied, tied[untied]
-    new = next((n for n, q in names.items() if n not in built and id(q) not in mine and q.requires_grad), None)
+    other = [(t, q) for t in tied if (q := names.get(t)) is not None and id(q) not in mine]
+    other += [(n, q) for n, q in names.items() if n not in built and id(q) not in mine]
+    if frozen is not None:
+        frozen.extend(q for _, q in other if not q.requires_grad)
+    new = next((n for n, q in other if q.requires_grad), None)
     if new is None:
         return None
+    if new in tied:
+        return new, tied[new]
     # the optimizer's parameter whose name (at construction, from this root) shares most leading components
     ours = [(add + n[len(drop):], n) for n in params] + list(tied.items())
     parts = new.split(".")
@@ -468,11 +489,12 @@ def _fresh(drop: str, add: str, tied: Mapping[str, str], built: frozenset[str], 
     return new, max(ours, key=lambda o: shared(o[0]))[1]
 
 
-def _lost(roots: Roots, params: Mapping[str, Tensor]) -> tuple[str | None, bool, bool, Fresh | None]:
+def _lost(roots: Roots, params: Mapping[str, Tensor],
+          frozen: list[Tensor] | None = None) -> tuple[str | None, bool, bool, Fresh | None]:
     """(the first of `params` not found from a live root of `roots` by its construction name, or
     None; whether all of `params` are still under a live root, by any name (then it moved); whether
     any root lives; a name of a root that trains a tensor none of `params` now, `_fresh`, or None).
-    Each root's names are read once."""
+    Each root's names are read once. `frozen` gets the frozen tensors in such places (`_fresh`)."""
     live = [(r, *rest) for ref, *rest in roots if (r := ref()) is not None]
     if not live:
         return None, True, False, None
@@ -484,7 +506,7 @@ def _lost(roots: Roots, params: Mapping[str, Tensor]) -> tuple[str | None, bool,
         if wrong is None:
             wrong = _resolves(root, drop, add, params, names)
         if fresh is None:
-            fresh = _fresh(drop, add, tied, built, params, names)
+            fresh = _fresh(drop, add, tied, built, params, names, frozen)
     if wrong is None:
         return None, True, True, fresh
     # a parameter under no root at all first (replaced, dropped), else the first under another name
@@ -498,18 +520,19 @@ def _fresh_message(fresh: Fresh, where: str) -> str:
     return replaced_message(ours, f"{where}: {name!r} is a tensor this optimizer does not hold")
 
 
-def in_place(roots: Roots, params: Mapping[str, Tensor], where: str = "") -> tuple[bool, str | None]:
+def in_place(roots: Roots, params: Mapping[str, Tensor], where: str = "",
+             frozen: list[Tensor] | None = None) -> tuple[bool, str | None]:
     """(whether every one of `params` is found from the live construction `roots` by its name; the
     error of a name there that trains a tensor none of `params`, `_fresh`, or None): with both, a
     module holding one of them that left the model (`replaced_parameter`'s holders) leaves the
-    model to train as before (`_lost`). `where`: what shows it, for the error."""
-    lost, _, rooted, fresh = _lost(roots, params)
+    model to train as before (`_lost`). `where`: what shows it, for the error; `frozen`, as `_lost`'s."""
+    lost, _, rooted, fresh = _lost(roots, params, frozen)
     placed = rooted and lost is None
     return placed, _fresh_message(fresh, where) if placed and fresh is not None else None
 
 
 def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] | None = None,
-                  roots: Roots | None = None) -> str | None:
+                  roots: Roots | None = None, frozen: list[Tensor] | None = None) -> str | None:
     """A message for the links of `links` no longer standing as built (a parent that now holds
     another module, or none, or a child wrapped in place, or a child gone), unless every one of
     `params` is still found from the construction `roots` under its name (`canonical_name`: a
@@ -520,7 +543,8 @@ def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] 
     layers swapped, or a wrapper that renames (`.inner`), is the error: the optimizer's state (and
     its checkpoints) is keyed by the names at construction. Without a live root, the parameters
     below an old child that lives must be in the model (from the links' roots, as the same
-    objects). `moved` gets an item where a link no longer stands as built and was accepted."""
+    objects). `moved` gets an item where a link no longer stands as built and was accepted;
+    `frozen`, the frozen tensors in a name's place there (`_fresh`)."""
     changed: list[tuple[nn.Module | None, str, nn.Module | None, Any]] = []  # (parent, attr, old child, now)
     for parent_ref, attr, child_ref, _ in links:
         parent, child = parent_ref(), child_ref()
@@ -534,7 +558,7 @@ def links_changed(links: Links, params: Mapping[str, Tensor], moved: list[bool] 
             changed.append((parent, attr, child, now))
     if not changed:
         return None
-    lost, kept, rooted, fresh = _lost(roots or [], params)
+    lost, kept, rooted, fresh = _lost(roots or [], params, frozen)
     if lost is None and fresh is not None:  # a name trains a new tensor: a new head, untied; a new Parameter
         p = params[fresh[1]]
         named = [c for c in changed if c[0] is not None and c[2] is not None]
@@ -647,12 +671,14 @@ def replaced_parameter(params: Mapping[str, Tensor], holders: Holders, links: Mo
         name, module, attr = failed
         where = f"{type(module).__name__}.{attr} now holds another tensor" if module is not None else \
             f"the module that held it ({attr}) is gone"
-        placed, fresh = (False, None) if links is None else in_place(links.roots, params, where)
+        frozen: list[Tensor] = []
+        placed, fresh = (False, None) if links is None else in_place(links.roots, params, where, frozen)
         if fresh is not None:
             return fresh
         if not placed:
             held = f"{type(module).__name__}.{attr}" if module is not None else f"the module that held it ({attr})"
             return replaced_message(name, f"{held} now holds another tensor, or its module was replaced")
+        links.watch(frozen)
         _rehold(holders, links.roots, params)
     if links is None:
         return None

@@ -1362,6 +1362,47 @@ def test_a_head_tied_again_then_untied_by_a_new_parameter_is_one_error_whatever_
         gc.enable()
 
 
+@pytest.mark.parametrize("old_head", ["freed", "in a cycle"])
+def test_a_tied_head_replaced_by_a_frozen_one_trains_until_it_is_unfrozen(one_rank, old_head):
+    """The tied head replaced by a new frozen one (`requires_grad_(False)`, the embedding's values):
+    the model trains what the optimizer steps (the embedding, the layers), so the steps run and
+    leave the frozen head as it was; the head unfrozen later (`requires_grad_(True)`: no module
+    registered, the embedding still gets a gradient) would train a tensor this optimizer never
+    steps: one error then, nothing updated, whatever became of the old head. Before: refused at
+    once, saying the model would train a tensor this optimizer never steps (untrue while frozen)."""
+    import gc
+
+    from torch import nn
+
+    from canzona.errors import CanzonaError
+
+    model, opt = _tied_lm_optimizer()
+    tokens = torch.randint(0, 16, (3, 5))
+    _lm_step(model, opt, tokens)
+    gc.disable()
+    try:
+        old = model.lm_head
+        if old_head == "in a cycle":
+            old.cycle = [old]
+        model.lm_head = nn.Linear(8, 16, bias=False).requires_grad_(False)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(model.embed.weight)
+        del old
+        head = model.lm_head.weight.detach().clone()
+        embed = model.embed.weight.detach().clone()
+        for _ in range(2):
+            _lm_step(model, opt, tokens)
+        assert torch.equal(model.lm_head.weight, head) and not torch.equal(model.embed.weight, embed)
+        model.lm_head.requires_grad_(True)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(CanzonaError, match=r"parameter 'embed\.weight' was replaced after the optimizer was built "
+                                               r"\(.*'lm_head\.weight'"):
+            _lm_step(model, opt, tokens)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    finally:
+        gc.enable()
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"overlap_step": True}], ids=["default", "overlap_step"])
 def test_an_optimizer_dropped_takes_its_hooks_with_it_without_gc(one_rank, kwargs):
     """An optimizer dropped (`del opt`, gc disabled: a notebook's rebuild, an LR-finder sweep) is
