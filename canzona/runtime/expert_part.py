@@ -261,13 +261,16 @@ def check_expert_stack(name: str, p: Tensor, whole: ParamSpec, ep: int) -> None:
 def build_expert_part(owner: Any, params: Mapping[str, Tensor], spec: ModelSpec, plan: Plan, policy: StepPolicy,
                       comms: tuple[Comm, Comm], *, reduce_dtype: torch.dtype | None, tp_mode: str,
                       kernel: Any, batched: Any, scalars: Any, update_dtype: torch.dtype,
-                      device: torch.device, overlap_step: bool = False) -> ExpertPart:
+                      device: torch.device, overlap_step: bool = False, hooks: list | None = None) -> ExpertPart:
     """The experts' part of an optimizer: their buffers and hooks (reduced over EDP, scaled by
     `edp / dp`), their schedule at TP 1 and its executor (`overlap_step`: each matrix its own
-    group, in the order its bucket is reduced, computed as it lands)."""
+    group, in the order its bucket is reduced, computed as it lands). `hooks` gets the gradient
+    hooks as soon as they are on (the owner's finalizer removes them, a failure below included)."""
     edp, ep = comms
     # a NaN or Inf expert gradient is the dense part's global check to judge (one verdict for both)
     grads = GradientSync(params, spec, plan, policy, edp, None, reduce_dtype, nonfinite="skip")
+    if hooks is not None:
+        hooks.extend(grads._hooks)
     grads.source = ExpertReduction(edp, policy, plan, expert_scale(owner.dp, edp.size))
     # the dense part's check says every rank ran backward, and which experts got a gradient: a
     # stack that any rank of the cluster reached steps whole (zeros for experts no rank of their

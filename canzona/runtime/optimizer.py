@@ -443,6 +443,10 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         dense = {n: p for n, p in self.params.items() if n not in self._expert_names}
         self.grads = GradientSync(dense, self._dense_spec, self.plan, self.policy, self.comm, self.tp_comm,
                                   reduce_dtype, nonfinite)
+        # its gradient hooks go when the optimizer does (`_unhook`), one that failed further down its
+        # construction too (an out-of-memory: a notebook's retry left one more set on the parameters)
+        hooks = list(self.grads._hooks)
+        weakref.finalize(self, _unhook, hooks)
         self._index = self.grads.index
         # the entries the plan places (a stack's matrices) in their parameter's group
         self._group_of.update({e: self._group_of[n] for e, n in self.grads.stacks.param_of.items()})
@@ -475,7 +479,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                 self, {n: p for n, p in self.params.items() if n in self._expert_names}, self._expert_spec,
                 self._expert_plan, self.policy, self._expert_comms, reduce_dtype=reduce_dtype,
                 tp_mode=self.tp_mode, kernel=kernel, batched=batched, scalars=scalars, update_dtype=update_dtype,
-                device=device, overlap_step=overlap_step)
+                device=device, overlap_step=overlap_step, hooks=hooks)
             self._group_of.update({e: self._group_of[n] for e, n in self.experts.grads.stacks.param_of.items()})
         if self.master_weights:
             self.reset_master_weights()
@@ -528,7 +532,6 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         elif self.schedule.prefetched:
             self.grads.early_work = self.matrix_step.prefetch
         _LIVE.add(self)
-        weakref.finalize(self, _unhook, [h for grads in self._syncs() for h in grads._hooks])
 
     # --- construction helpers ----------------------------------------------------------------
 

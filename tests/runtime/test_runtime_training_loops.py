@@ -1448,3 +1448,37 @@ def test_an_optimizer_dropped_takes_its_hooks_with_it_without_gc(one_rank, kwarg
         assert all(torch.equal(p, q) for p, q in zip(mine.parameters(), theirs.parameters()))
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("fails_in", ["MatrixStep", "ParamsInFlight"])
+def test_a_construction_that_fails_after_the_gradient_hooks_leaves_none(one_rank, monkeypatch, fails_in):
+    """A construction that fails after its gradient hooks are on the parameters (an out-of-memory
+    building the step's state or the parameter gathers' hooks; a notebook retrying a bad config),
+    gc disabled: once the error is dropped no gradient hook is left on a parameter, and an optimizer
+    built next puts one each. Before: the finalizer that removes them was registered at the end of
+    construction, so a failure before it left the hooks on the parameters for good (one more set per
+    failed try, each firing at every backward)."""
+    import gc
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime import optimizer as optimizer_module
+    from reference.tiny_model import TinyQwen3
+
+    def boom(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (a test's)")
+
+    mine = TinyQwen3("tiny", seed=0)
+    gc.collect()
+    gc.disable()
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(optimizer_module, fails_in, boom)
+            for _ in range(2):
+                with pytest.raises(torch.OutOfMemoryError, match="a test's"):
+                    DistributedOptimizer(mine.named_parameters(), mine.spec())
+        assert not any(p._post_accumulate_grad_hooks for p in mine.parameters())
+        opt = DistributedOptimizer(mine.named_parameters(), mine.spec())
+        assert all(len(p._post_accumulate_grad_hooks or {}) == 1 for p in mine.parameters())
+        del opt
+    finally:
+        gc.enable()
