@@ -461,24 +461,30 @@ class CanzonaTrainer(Trainer):
         `output_dir`, skipping the folders of saves killed midway (found by rank 0, the same on
         every rank; none: one `CheckpointError` on every rank). The RNG state file each rank reads
         (`rng_file`) is checked by that rank, agreed on every rank: rank 0's in the search, the
-        others' in the folder taken (a damaged one is one `CheckpointError` on every rank)."""
+        others' in the folder taken (a damaged one is one `CheckpointError` on every rank). Every
+        rank joins the check whatever its own disk shows: a folder missing on some rank (one disk
+        per node) is one error on every rank, naming the rank."""
         rng = rng_file(self.args)
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
             resume_from_checkpoint = Ranks().together(lambda: latest_checkpoint(self.args.output_dir, rng),
                                                               rank0_only=True)[0]
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             path = os.fspath(resume_from_checkpoint)
-            Ranks().together(lambda: check_whole(path, rng), rank0_only=True)
-        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
-            folder = os.fspath(resume_from_checkpoint)
             ranks = Ranks()
 
-            def own_rng() -> None:
-                problem = damaged_file(folder, rng) if ranks.rank != 0 else None  # (rank 0's: checked above)
-                if problem is not None:
-                    raise CheckpointError(f"{folder}: {problem}")
+            def own_files() -> None:
+                # every rank joins, whatever it sees: a folder on rank 0's disk but not on another
+                # rank's (one disk per node) is one error on every rank, not rank 0 left waiting
+                if not os.path.isdir(path):
+                    raise CheckpointError(f"{path}: no such folder")  # (the rank named where others have it)
+                if ranks.rank == 0:
+                    check_whole(path, rng)
+                else:  # (rank 0's own files: in check_whole)
+                    problem = damaged_file(path, rng)
+                    if problem is not None:
+                        raise CheckpointError(f"{path}: {problem}")
 
-            ranks.together(own_rng)
+            ranks.together(own_files)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # --- the accelerator and the model's place ----------------------------------------------
@@ -690,14 +696,15 @@ class CanzonaTrainer(Trainer):
             return
         state = os.path.join(checkpoint, OPTIMIZER_DIR)
         scheduler = os.path.join(checkpoint, SCHEDULER_FILE)
-        for path, what in ((state, f"{OPTIMIZER_DIR}/"), (scheduler, SCHEDULER_FILE)):
-            if not os.path.exists(path):
-                raise CanzonaError(f"{checkpoint} holds no {what}: resume from a checkpoint that CanzonaTrainer saved")
         # read before the optimizer state is loaded (`train` checked it on rank 0 already): a file
-        # this rank cannot read is one error on every rank, nothing loaded
+        # this rank lacks or cannot read is one error on every rank, nothing loaded
         read: dict[str, Any] = {}
 
         def read_scheduler() -> None:
+            for path, what in ((state, f"{OPTIMIZER_DIR}/"), (scheduler, SCHEDULER_FILE)):
+                if not os.path.exists(path):
+                    raise CanzonaError(f"{checkpoint} holds no {what}: resume from a checkpoint that CanzonaTrainer "
+                                       "saved")
             try:
                 read["state"] = read_resumed(checkpoint, SCHEDULER_FILE)
             except CheckpointError as e:

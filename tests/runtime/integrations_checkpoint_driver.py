@@ -553,10 +553,75 @@ def trainer_scenarios(out: Path) -> dict[str, Any]:
     return result
 
 
+def outcome(attempt: Callable[[], Any]) -> Any:
+    """What `attempt` returned, or its error as `error_text` gives it."""
+    try:
+        return attempt()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+
+
+def trainer_rank_files(out: Path) -> dict[str, Any]:
+    """`CanzonaTrainer.train`'s checks of the files each rank reads, the folders differing by rank
+    (one disk per node, a save killed while one rank wrote its RNG file): `Trainer.train` itself
+    stubbed to return the checkpoint it would resume from (no training: a second or so)."""
+    from types import SimpleNamespace
+
+    import transformers
+
+    from canzona.integrations.hf import CanzonaTrainer
+    from canzona.integrations.optimizer_state import save_optimizer
+    from canzona.spec import ModelSpec
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    root = out / "rank_files"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon")
+    for step in (1, 2):
+        folder = root / f"checkpoint-{step}"
+
+        def first(folder: Path = folder) -> None:
+            folder.mkdir(parents=True)
+            (folder / "trainer_state.json").write_text("{}")
+            torch.save({"base_lrs": [0.1], "lr_lambdas": [{}]}, folder / "scheduler.pt")
+
+        on_rank0(first)
+        save_optimizer(opt, str(folder / OPT))
+        torch.save({"cpu": torch.random.get_rng_state()}, folder / f"rng_state_{rank}.pth")
+        dist.barrier()
+    # rank 1's own disk: a copy of checkpoint-1 lacking one of the files each rank reads
+    ckpt1 = root / "checkpoint-1"
+    lacking = {"optimizer": OPT}
+    node = {what: root / f"node-{what}" / "checkpoint-1" for what in lacking}
+    if rank == 1:
+        for what, folder in node.items():
+            shutil.copytree(ckpt1, folder)
+            gone = folder / lacking[what]
+            shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    dist.barrier()
+    stub = object.__new__(CanzonaTrainer)
+    stub.args = SimpleNamespace(world_size=world, process_index=rank, output_dir=str(root))
+    kept = transformers.Trainer.train
+    transformers.Trainer.train = lambda self, resume, *args, **kwargs: f"resumes from {resume}"
+    result: dict[str, Any] = {}
+    try:
+        # the folder on rank 0's disk only
+        result["folder on rank 0 only"] = outcome(
+            lambda: CanzonaTrainer.train(stub, str(ckpt1 if rank == 0 else root / "elsewhere" / "checkpoint-1")))
+        # rank 1's copy without canzona_optimizer/: the optimizer's own load
+        result["optimizer on rank 0 only"] = outcome(
+            lambda: CanzonaTrainer._load_optimizer_and_scheduler(stub, str(ckpt1 if rank == 0 else node["optimizer"])))
+    finally:
+        transformers.Trainer.train = kept
+    return result
+
+
 SCENARIOS: list[tuple[str, Callable[[Path], dict[str, Any]]]] = [
     ("accelerate", accelerate), ("accelerate automatic", accelerate_automatic),
     ("accelerate dtensors", accelerate_dtensors), ("accelerate two optimizers", two_optimizers),
-    ("accelerate one architecture", one_architecture), ("trainer", trainer_scenarios)]
+    ("accelerate one architecture", one_architecture), ("trainer", trainer_scenarios),
+    ("trainer rank files", trainer_rank_files)]
 
 
 def main() -> None:

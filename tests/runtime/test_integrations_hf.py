@@ -793,6 +793,21 @@ def test_an_older_folder_without_manifest_loads_and_is_not_saved_over(ranks, nam
 
 
 @pytest.mark.distributed
+def test_a_checkpoint_folder_or_file_on_one_ranks_disk_only_is_one_error_on_every_rank(ranks):
+    """One disk per node: the folder named (or its canzona_optimizer/) there on rank 0, not on rank 1.
+    Before (review): whether a rank joined the check of its own files hung on its own isdir, so
+    rank 1 went on while rank 0 waited in all_gather_object (and a rank lacking canzona_optimizer/
+    raised alone before the optimizer's load's agreed read). Now every rank joins, the checks inside."""
+    results = scenario(ranks, "trainer rank files")
+    one_line_on_every_rank(results, "folder on rank 0 only", "CheckpointError: ")
+    assert results[0]["folder on rank 0 only"].startswith("CheckpointError: rank 1: ")
+    assert results[0]["folder on rank 0 only"].endswith("elsewhere/checkpoint-1: no such folder")
+    one_line_on_every_rank(results, "optimizer on rank 0 only", "CheckpointError: ")
+    assert results[0]["optimizer on rank 0 only"].startswith("CheckpointError: rank 1: ")
+    assert "holds no canzona_optimizer/" in results[0]["optimizer on rank 0 only"]
+
+
+@pytest.mark.distributed
 def test_the_trainer_resumes_from_the_latest_whole_checkpoint(ranks):
     """`resume_from_checkpoint=True` skips the folders of saves killed midway (transformers picks
     the highest step and fails in its model, optimizer or trainer_state.json loading); none whole:
