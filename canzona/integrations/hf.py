@@ -257,12 +257,13 @@ def other_backend(folder: str) -> tuple[str, str] | None:
     return None
 
 
-def checkpoint_problem(folder: str, rng: str = "rng_state.pth") -> str | None:
+def checkpoint_problem(folder: str, rng: str = "rng_state.pth", *, files: bool = True) -> str | None:
     """Why `folder` is not a whole CanzonaTrainer checkpoint (None if it is): the Trainer writes the
     model files, then the optimizer folder and the scheduler, and `trainer_state.json` last. A
     folder without canzona's optimizer state but another's (`optimizer.pt`, `other_backend`) is
     named as that one's; with none at all beside `trainer_state.json`, as likely a
-    `save_only_model` one (`Named`: no save killed midway)."""
+    `save_only_model` one (`Named`: no save killed midway). `files`: the files read after the
+    optimizer state checked too (`damaged_file`)."""
     if not written_whole(os.path.join(folder, OPTIMIZER_DIR)):
         if os.path.isfile(os.path.join(folder, TORCH_OPTIMIZER_FILE)):
             return Named(f"no {OPTIMIZER_DIR}/ but {TORCH_OPTIMIZER_FILE}: saved by transformers' own Trainer")
@@ -282,7 +283,7 @@ def checkpoint_problem(folder: str, rng: str = "rng_state.pth") -> str | None:
             json.load(f)
     except (OSError, ValueError) as e:
         return f"an unreadable {TRAINER_STATE_FILE} ({type(e).__name__})"
-    return damaged_file(folder, rng)
+    return damaged_file(folder, rng) if files else None
 
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # torch's weights-only error sets a phrase in bold
@@ -361,13 +362,40 @@ def check_whole(folder: str, rng: str = "rng_state.pth") -> None:
 def latest_checkpoint(output_dir: str, rng: str = "rng_state.pth") -> str:
     """`resume_from_checkpoint=True`: the `checkpoint-<step>` of `output_dir` with the highest step
     among the whole ones (a save killed midway leaves its folder without trainer_state.json or
-    without the optimizer state; transformers would pick it and fail, or start again at step 0)."""
-    steps = [(int(m.group(1)), name) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
-             if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
-    return latest_whole(output_dir, steps, lambda folder: checkpoint_problem(folder, rng),
-                        asked="resume_from_checkpoint=True",
-                        killed="a save killed midway",
-                        none=f"resume_from_checkpoint=True: no checkpoint-<step> folder in {output_dir}")
+    without the optimizer state; transformers would pick it and fail, or start again at step 0).
+    Collective: rank 0 lists the folders, and of each, newest first, every rank checks the files it
+    reads itself (`rng`: its RNG state file, `scheduler.pt`; rank 0 the rest), agreed on every rank,
+    so that all take the same folder (the Trainer writes the RNG files per rank without a barrier: a
+    save killed midway may leave one rank's damaged). Rank 0 warns of the folders skipped, naming
+    the rank whose file was refused."""
+    ranks = Ranks()
+
+    def listed() -> list[tuple[int, str]]:
+        names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+        return [(int(m.group(1)), name) for name in names
+                if (m := STEP_DIR.match(name)) and os.path.isdir(os.path.join(output_dir, name))]
+
+    def problem(folder: str) -> str | None:
+        def mine() -> str | None:
+            if ranks.rank == 0:
+                found = checkpoint_problem(folder, rng, files=False)
+                if found is not None:
+                    return found
+            elif not os.path.isdir(folder):
+                return Named(f"not on rank {ranks.rank}'s disk")
+            found = damaged_file(folder, rng)
+            return Named(f"rank {ranks.rank}: {found}") if found is not None and ranks.world > 1 else found
+
+        return next((found for found in ranks.together(mine) if found is not None), None)
+
+    steps = ranks.together(listed, rank0_only=True)[0]
+    with warnings.catch_warnings():
+        if ranks.rank != 0:
+            warnings.simplefilter("ignore")  # said once, by rank 0
+        return latest_whole(output_dir, steps, problem,
+                            asked="resume_from_checkpoint=True",
+                            killed="a save killed midway",
+                            none=f"resume_from_checkpoint=True: no checkpoint-<step> folder in {output_dir}")
 
 
 def _gives_weight_decay(matrix_config: Any) -> bool:
@@ -458,17 +486,16 @@ class CanzonaTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; `resume_from_checkpoint=True` resumes from the latest whole checkpoint of
-        `output_dir`, skipping the folders of saves killed midway (found by rank 0, the same on
+        `output_dir`, skipping the folders of saves killed midway (`latest_checkpoint`: the same on
         every rank; none: one `CheckpointError` on every rank). The RNG state file each rank reads
-        (`rng_file`) is checked by that rank, agreed on every rank: rank 0's in the search, the
-        others' in the folder taken (a damaged one is one `CheckpointError` on every rank). Every
+        (`rng_file`) is checked by that rank, agreed on every rank: in the search, or in the folder
+        named (a damaged one is one `CheckpointError` on every rank). Every
         rank joins the check whatever its own disk shows: a folder missing on some rank (one disk
         per node) is one error on every rank, naming the rank."""
         rng = rng_file(self.args)
         if isinstance(resume_from_checkpoint, bool) and resume_from_checkpoint:
-            resume_from_checkpoint = Ranks().together(lambda: latest_checkpoint(self.args.output_dir, rng),
-                                                              rank0_only=True)[0]
-        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            resume_from_checkpoint = latest_checkpoint(self.args.output_dir, rng)  # (every rank's files checked)
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
             path = os.fspath(resume_from_checkpoint)
             ranks = Ranks()
 

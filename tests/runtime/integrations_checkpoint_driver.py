@@ -17,6 +17,7 @@ import json
 import shutil
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -612,6 +613,14 @@ def trainer_rank_files(out: Path) -> dict[str, Any]:
         # rank 1's copy without canzona_optimizer/: the optimizer's own load
         result["optimizer on rank 0 only"] = outcome(
             lambda: CanzonaTrainer._load_optimizer_and_scheduler(stub, str(ckpt1 if rank == 0 else node["optimizer"])))
+        # resume_from_checkpoint=True: rank 1 killed while writing its RNG file of the last save
+        if rank == 1:
+            (root / "checkpoint-2" / "rng_state_1.pth").write_bytes(b"\x80\x02half")
+        dist.barrier()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result["latest, rank 1's rng damaged"] = outcome(lambda: CanzonaTrainer.train(stub, True))
+        result["latest warnings"] = [str(w.message) for w in caught if "skipping" in str(w.message)]
     finally:
         transformers.Trainer.train = kept
     return result

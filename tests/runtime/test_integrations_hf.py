@@ -808,6 +808,22 @@ def test_a_checkpoint_folder_or_file_on_one_ranks_disk_only_is_one_error_on_ever
 
 
 @pytest.mark.distributed
+def test_the_latest_whole_checkpoint_is_searched_with_every_ranks_own_files(ranks):
+    """`resume_from_checkpoint=True`, rank 1 killed while writing its rng_state_1.pth of the last
+    save (transformers writes the RNG files per rank, no barrier). Before (review): rank 0 searched
+    alone, checking its own files, so the folder taken held rank 1's damaged file and the whole job
+    stopped (a damaged rng_state_0.pth was skipped). Now every rank checks its own files of each
+    folder, newest first, and all go on to the same one; rank 0's warning names the rank and file."""
+    results = scenario(ranks, "trainer rank files")
+    for r in results:
+        assert r["latest, rank 1's rng damaged"].startswith("resumes from ") and \
+            r["latest, rank 1's rng damaged"].endswith("rank_files/checkpoint-1"), r["latest, rank 1's rng damaged"]
+    (told,) = results[0]["latest warnings"]
+    assert "skipping checkpoint-2 (rank 1: rng_state_1.pth cannot be read (" in told, told
+    assert results[1]["latest warnings"] == []  # said once
+
+
+@pytest.mark.distributed
 def test_the_trainer_resumes_from_the_latest_whole_checkpoint(ranks):
     """`resume_from_checkpoint=True` skips the folders of saves killed midway (transformers picks
     the highest step and fails in its model, optimizer or trainer_state.json loading); none whole:
