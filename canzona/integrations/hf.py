@@ -290,25 +290,47 @@ ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")  # torch's weights-only error sets a
 BLOCKED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")  # the global torch's weights-only load refused
 
 
+class NotWeightsOnly(CheckpointError):
+    """A checkpoint file the Trainer's weights-only load refuses for the objects it holds (a global
+    torch blocks): trusted and whole, not damaged, so a resume stops at it (the user allows the
+    globals) instead of skipping to an older checkpoint."""
+
+
+def blocked_globals(path: str, first: str) -> list[str]:
+    """The globals of the file at `path` that torch's weights-only load refuses in the current
+    context, `first` (the one torch's error named: it names one at a time) first; `[first]` where
+    they cannot be listed."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # noqa: BLE001 - an older torch, or a file it cannot list: torch's one
+        found = []
+    return [first] + [g for g in found if g != first]
+
+
 def read_resumed(folder: str, name: str) -> Any:
     """`name` of checkpoint `folder`, one of the files the resume reads after the optimizer state
     (`scheduler.pt`, an `rng_state*.pth`), read as the Trainer reads it (`torch.load`, weights only;
     the RNG states with numpy's types allowed). One `CheckpointError` naming the file where it
     cannot be read: a file holding objects torch does not load weights-only (a LambdaLR's callable
-    object keeping a numpy scalar), which the Trainer would not load either, named with the global
-    torch blocks; any other, a damaged file."""
+    object keeping a numpy scalar), which the Trainer would not load either, named with the globals
+    torch blocks (every one: torch's error names one at a time), as `NotWeightsOnly`; any other, a
+    damaged file."""
     from transformers.trainer_pt_utils import safe_globals
 
+    path = os.path.join(folder, name)
+    allowed = safe_globals if RNG_STATE_FILE.match(name) else contextlib.nullcontext
     try:
-        with safe_globals() if RNG_STATE_FILE.match(name) else contextlib.nullcontext():
-            return torch.load(os.path.join(folder, name), weights_only=True)
+        with allowed():
+            return torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - whatever torch raises for a damaged file: named in one line
         blocked = BLOCKED_GLOBAL.search(str(e)) if isinstance(e, pickle.UnpicklingError) else None
         if blocked is not None:
-            raise CheckpointError(
-                f"{name} holds objects torch does not load weights-only ({blocked.group(1)}), as the Trainer loads it: "
+            with allowed():
+                names = ", ".join(blocked_globals(path, blocked.group(1)))
+            raise NotWeightsOnly(
+                f"{name} holds objects torch does not load weights-only ({names}), as the Trainer loads it: "
                 f"if you trust the file, allow them before train() with torch.serialization.add_safe_globals"
-                f"([{blocked.group(1)}])") from None
+                f"([{names}])") from None
         raise CheckpointError(f"{name} cannot be read ({type(e).__name__}: {ANSI_ESCAPE.sub('', first_line(e))}): "
                               "a damaged file") from None
 
@@ -324,12 +346,15 @@ def damaged_file(folder: str, rng: str = "rng_state.pth") -> Named | None:
     cannot be read is refused, or None: `scheduler.pt`, and the RNG state file `rng` this process
     reads (`rng_file`; others' are no concern of this run's, and a missing one only logged). Read
     before anything of the checkpoint is loaded: else torch's own error (a traceback) came at the
-    Trainer's load, with the model's weights and the optimizer state loaded already."""
+    Trainer's load, with the model's weights and the optimizer state loaded already. A file torch
+    does not load weights-only is no damage: `NotWeightsOnly`, raised (naming `folder`)."""
     for name in (SCHEDULER_FILE, rng):
         if name == rng and not os.path.isfile(os.path.join(folder, name)):
             continue
         try:
             read_resumed(folder, name)
+        except NotWeightsOnly as e:  # trusted, not damaged: no reason to skip to an older checkpoint
+            raise NotWeightsOnly(f"{folder}: {e}") from None
         except CheckpointError as e:
             return Named(str(e))
     return None

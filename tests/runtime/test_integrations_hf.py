@@ -1667,6 +1667,40 @@ def test_a_scheduler_or_rng_file_torch_does_not_load_weights_only_is_named_as_su
     assert "\x1b" not in str(e.value), str(e.value)
 
 
+def test_a_file_torch_does_not_load_weights_only_stops_the_search_naming_every_global(tmp_path, one_rank):
+    """`resume_from_checkpoint=True`, the latest checkpoint's scheduler.pt holding a numpy scalar
+    (a LambdaLR's callable object): a trusted file the Trainer's weights-only load refuses, no
+    damage. Before (review): skipped as a damaged file, the resume rolling back silently to an
+    older step with a warning only; and the named folder's error said "not a whole checkpoint ...
+    resume from another, or resume_from_checkpoint=True", and named one global of two. Now the
+    search stops with one CheckpointError naming every global torch blocks and add_safe_globals."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    from canzona.errors import CheckpointError
+    from canzona.integrations.hf import check_whole, latest_checkpoint
+    from canzona.integrations.optimizer_state import save_optimizer
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "muon")
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.5)
+    for step in (1, 2):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / "trainer_state.json").write_text("{}")
+        torch.save({} if step == 1 else LambdaLR(sgd, _Halve()).state_dict(), folder / "scheduler.pt")
+        save_optimizer(opt, str(folder / "canzona_optimizer"))
+    latest = tmp_path / "checkpoint-2"
+    for attempt in (lambda: latest_checkpoint(str(tmp_path)), lambda: check_whole(str(latest))):
+        with pytest.raises(CheckpointError) as e:
+            attempt()
+        text = str(e.value)
+        assert text.startswith(f"{latest}: scheduler.pt holds objects torch does not load weights-only ("), text
+        assert "numpy._core.multiarray.scalar" in text and "numpy.dtype" in text, text  # both globals
+        assert "add_safe_globals([" in text and "damaged" not in text and "resume from another" not in text, text
+
+
 def test_only_the_rng_file_this_run_reads_is_checked_and_a_direct_load_names_its_folder(tmp_path, one_rank):
     """The Trainer reads `rng_state.pth` at world size 1, else its own `rng_state_<process_index>.pth`
     (`_load_rng_state`; a missing one is only logged). Before (review): every `rng_state*.pth` was
