@@ -71,10 +71,11 @@ For a model whose parameters a canzona optimizer holds:
   one of them is one `CanzonaError` before anything is loaded, as are fewer scheduler files than
   schedulers, a file whose state contradicts the scheduler prepared in its place (`contradiction`:
   public keys of a class's own, all but `SHARED_SCHEDULER_KEYS`, none in common, a StepLR's file
-  for a LambdaLR; a list of the prepared optimizer's group count against the file's of another
-  length) and another count of registered objects than the save's (`check_older_save`); what such
-  a save cannot tell (files whose states read alike, a LambdaLR's and a MultiplicativeLR's; a
-  state of private keys alone; files not read weights-only or left unread; what each registered
+  for a LambdaLR, or each side holding some the other lacks, a StepLR's for a MultiStepLR; a list
+  of the prepared optimizer's group count against the file's of another length) and another count
+  of registered objects than the save's (`check_older_save`); what such a save cannot tell (files
+  whose states read alike, a LambdaLR's and a MultiplicativeLR's; one whose keys are a part of the
+  other's, an ExponentialLR's and a StepLR's; a state of private keys alone; files not read weights-only or left unread; what each registered
   object was) is one warning, and each takes its position's file. Objects given to
   `accelerator.register_for_checkpointing` (a scheduler too) are accelerate's own
   `custom_checkpoint_<i>.pkl`, loaded by registration order: the manifest records what each was
@@ -444,13 +445,18 @@ def scheduler_file(k: int) -> str:
 # of the scheduler prepared in its place), in one place. A state's own keys are its public keys but
 # these, which any LRScheduler's state may carry whatever its class (torch's base class sets them;
 # `verbose` was written up to torch 2.6): two states whose own keys share none are two classes'
-# (a LambdaLR's lr_lambdas, a StepLR's step_size and gamma). A list of the prepared optimizer's
-# group count (one entry per group) beside the file's list of another length at the same key is
-# another group count. Nothing else contradicts: keys on one side only (a torch version's,
-# ReduceLROnPlateau's default_min_lr since 2.6; one set lazily) and lists of other lengths (a
-# metric history) load all the same (torch's load_state_dict is __dict__.update). Private keys
-# (`_last_lr`, a ChainedScheduler's `_schedulers`) come and go between versions: not read.
+# (a LambdaLR's lr_lambdas, a StepLR's step_size and gamma), and so are two whose own keys each
+# hold one the other lacks, a torch version's (`VERSION_SCHEDULER_KEYS`) aside: classes sharing a
+# generic name (a StepLR's step_size and gamma, a MultiStepLR's milestones and gamma; CyclicLR's
+# and ReduceLROnPlateau's mode). A list of the prepared optimizer's group count (one entry per
+# group) beside the file's list of another length at the same key is another group count. Nothing
+# else contradicts: keys on one side only (one set lazily; an ExponentialLR's gamma beside a
+# StepLR's: warned of, not verified) and lists of other lengths (a metric history) load all the
+# same (torch's load_state_dict is __dict__.update). Private keys (`_last_lr`, a
+# ChainedScheduler's `_schedulers`) come and go between versions: not read.
 SHARED_SCHEDULER_KEYS = frozenset({"base_lrs", "last_epoch", "verbose"})
+# keys of a class's own that one torch version writes and another not (ReduceLROnPlateau's since 2.6)
+VERSION_SCHEDULER_KEYS = frozenset({"default_min_lr"})
 
 
 def state_shape(state: Any) -> dict[str, int | None] | None:
@@ -467,6 +473,13 @@ def own_keys(shape: Mapping[str, int | None]) -> set[str]:
     return set(shape) - SHARED_SCHEDULER_KEYS
 
 
+def one_side_keys(saved: Mapping[str, int | None], now: Mapping[str, int | None]) -> tuple[set[str], set[str]]:
+    """The keys of a class's own (a torch version's aside) that the prepared scheduler's state `now`
+    holds and the file's `saved` lacks, and those `saved` holds and `now` lacks."""
+    mine, theirs = own_keys(saved) - VERSION_SCHEDULER_KEYS, own_keys(now) - VERSION_SCHEDULER_KEYS
+    return theirs - mine, mine - theirs
+
+
 def contradiction(saved: Mapping[str, int | None], now: Mapping[str, int | None], groups: int | None) -> str | None:
     """Why a file's state (`saved`, a `state_shape`) cannot be the state of the scheduler prepared in
     its place (`now`, over an optimizer of `groups` param groups; None: not known), or None
@@ -474,6 +487,10 @@ def contradiction(saved: Mapping[str, int | None], now: Mapping[str, int | None]
     mine, theirs = own_keys(saved), own_keys(now)
     if mine and theirs and not mine & theirs:
         return "another class's: no key of its class's own in common"
+    lacking, extra = one_side_keys(saved, now)
+    if lacking and extra:
+        return (f"another class's: its {', '.join(sorted(extra))} the prepared one's state lacks, and it lacks "
+                f"{', '.join(sorted(lacking))}")
     for key in sorted(set(saved) & set(now)):
         if groups is not None and now[key] == groups and saved[key] is not None and saved[key] != groups:
             return f"{saved[key]} group(s) in its {key}, not {groups}"
@@ -538,6 +555,11 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
             elif not own_keys(saved) & own_keys(nows[k]):
                 why_not.append(f"{scheduler_file(k)} shows no key of a scheduler class's own")
             else:
+                lacking, extra = one_side_keys(saved, nows[k])
+                if lacking or extra:  # (both: refused above) one class's keys a part of another's, or one set lazily
+                    which = f"lacks {', '.join(sorted(lacking))}" if lacking else f"holds {', '.join(sorted(extra))}"
+                    why_not.append(f"{scheduler_file(k)} {which} of its class's own, which scheduler {k}'s state "
+                                   f"{'holds' if lacking else 'lacks'}: another class's, or a key set lazily")
                 also = [j for j, (other, now) in enumerate(zip(schedulers, nows))
                         if j != k and (now is None or contradiction(saved, now, _groups(other)) is None)]
                 if also:
