@@ -532,7 +532,8 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
                 f"wrote {files} scheduler file(s): accelerate loads scheduler_<k>.bin into its k-th scheduler; "
                 "prepare the schedulers of the save, in the order of the save")
         shapes: list[dict | None] = []  # each file's, None where unread (not readable weights-only)
-        nows = [state_shape(sched.state_dict()) for sched in schedulers]
+        states = [sched.state_dict() for sched in schedulers]
+        nows = [state_shape(state) for state in states]
         for k, sched in enumerate(schedulers):
             try:
                 saved = state_shape(torch.load(os.path.join(where, scheduler_file(k)), weights_only=True))
@@ -550,7 +551,10 @@ def check_older_save(where: str, schedulers: list[Any], registered: int, schedul
         # a file is its scheduler's where its own keys meet the scheduler's and contradict every other's
         unread, why_not = [], []
         for k, saved in enumerate(shapes):
-            if saved is None or nows[k] is None:
+            if nows[k] is None:  # the prepared scheduler's own state: nothing to compare the file with
+                why_not.append(f"scheduler {k}'s state_dict() is a {type(states[k]).__name__}, no mapping to compare "
+                               f"{scheduler_file(k)} with")
+            elif saved is None:
                 unread.append(scheduler_file(k))
             elif not own_keys(saved) & own_keys(nows[k]):
                 why_not.append(f"{scheduler_file(k)} shows no key of a scheduler class's own")
