@@ -349,8 +349,10 @@ def damaged_file(folder: str, rng: str = "rng_state.pth") -> Named | None:
     Trainer's load, with the model's weights and the optimizer state loaded already. A file torch
     does not load weights-only is no damage: `NotWeightsOnly`, raised (naming `folder`)."""
     for name in (SCHEDULER_FILE, rng):
-        if name == rng and not os.path.isfile(os.path.join(folder, name)):
-            continue
+        if not os.path.isfile(os.path.join(folder, name)):
+            if name == rng:
+                continue
+            return Named(f"{name} missing")  # (on a rank whose disk lacks it: the caller names the rank)
         try:
             read_resumed(folder, name)
         except NotWeightsOnly as e:  # trusted, not damaged: no reason to skip to an older checkpoint

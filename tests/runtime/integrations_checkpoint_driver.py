@@ -593,7 +593,7 @@ def trainer_rank_files(out: Path) -> dict[str, Any]:
         dist.barrier()
     # rank 1's own disk: a copy of checkpoint-1 lacking one of the files each rank reads
     ckpt1 = root / "checkpoint-1"
-    lacking = {"optimizer": OPT}
+    lacking = {"optimizer": OPT, "scheduler": "scheduler.pt"}
     node = {what: root / f"node-{what}" / "checkpoint-1" for what in lacking}
     if rank == 1:
         for what, folder in node.items():
@@ -613,6 +613,9 @@ def trainer_rank_files(out: Path) -> dict[str, Any]:
         # rank 1's copy without canzona_optimizer/: the optimizer's own load
         result["optimizer on rank 0 only"] = outcome(
             lambda: CanzonaTrainer._load_optimizer_and_scheduler(stub, str(ckpt1 if rank == 0 else node["optimizer"])))
+        # rank 1's copy without scheduler.pt
+        result["scheduler on rank 0 only"] = outcome(
+            lambda: CanzonaTrainer.train(stub, str(ckpt1 if rank == 0 else node["scheduler"])))
         # resume_from_checkpoint=True: rank 1 killed while writing its RNG file of the last save
         if rank == 1:
             (root / "checkpoint-2" / "rng_state_1.pth").write_bytes(b"\x80\x02half")

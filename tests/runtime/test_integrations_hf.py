@@ -805,6 +805,10 @@ def test_a_checkpoint_folder_or_file_on_one_ranks_disk_only_is_one_error_on_ever
     one_line_on_every_rank(results, "optimizer on rank 0 only", "CheckpointError: ")
     assert results[0]["optimizer on rank 0 only"].startswith("CheckpointError: rank 1: ")
     assert "holds no canzona_optimizer/" in results[0]["optimizer on rank 0 only"]
+    # (before, review: "scheduler.pt cannot be read (FileNotFoundError ...): a damaged file")
+    one_line_on_every_rank(results, "scheduler on rank 0 only", "CheckpointError: ")
+    assert results[0]["scheduler on rank 0 only"].startswith("CheckpointError: rank 1: ")
+    assert results[0]["scheduler on rank 0 only"].endswith("node-scheduler/checkpoint-1: scheduler.pt missing")
 
 
 @pytest.mark.distributed
@@ -2173,6 +2177,21 @@ def test_an_older_saves_scheduler_file_of_another_class_sharing_a_generic_key_is
     for name in make:  # its own class's: neither
         where = _scheduler_files(tmp_path / f"same-{name}", [make[name]().state_dict()])
         assert check_older_save(where, [make[name]()], 0, False, True) is None, name
+
+
+def test_a_prepared_scheduler_whose_state_is_no_mapping_is_warned_of_in_words_of_its_own(tmp_path):
+    """A prepared scheduler whose state_dict() is no mapping, beside an older save's file. Before
+    (review): its file was listed as one that "could not be read weights-only", which it was."""
+    from canzona.integrations.accelerate import check_older_save
+
+    class Listed:
+        def state_dict(self) -> list:
+            return [1, 2]
+
+    told = check_older_save(_scheduler_files(tmp_path, [{"base_lrs": [0.5], "last_epoch": 3}]), [Listed()], 0,
+                            False, True)
+    assert told is not None and "weights-only" not in told, told
+    assert "scheduler 0's state_dict() is a list, no mapping to compare scheduler.bin with" in told, told
 
 
 def test_the_older_saves_warning_says_why_each_scheduler_file_is_not_verified(tmp_path):
