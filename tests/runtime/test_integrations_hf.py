@@ -798,7 +798,7 @@ def test_a_checkpoint_folder_or_file_on_one_ranks_disk_only_is_one_error_on_ever
     Before (review): whether a rank joined the check of its own files hung on its own isdir, so
     rank 1 went on while rank 0 waited in all_gather_object (and a rank lacking canzona_optimizer/
     raised alone before the optimizer's load's agreed read). Now every rank joins, the checks inside."""
-    results = scenario(ranks, "trainer rank files")
+    results = scenario(ranks, "checkpoint trainer rank files")
     one_line_on_every_rank(results, "folder on rank 0 only", "CheckpointError: ")
     assert results[0]["folder on rank 0 only"].startswith("CheckpointError: rank 1: ")
     assert results[0]["folder on rank 0 only"].endswith("elsewhere/checkpoint-1: no such folder")
@@ -818,7 +818,7 @@ def test_the_latest_whole_checkpoint_is_searched_with_every_ranks_own_files(rank
     alone, checking its own files, so the folder taken held rank 1's damaged file and the whole job
     stopped (a damaged rng_state_0.pth was skipped). Now every rank checks its own files of each
     folder, newest first, and all go on to the same one; rank 0's warning names the rank and file."""
-    results = scenario(ranks, "trainer rank files")
+    results = scenario(ranks, "checkpoint trainer rank files")
     for r in results:
         assert r["latest, rank 1's rng damaged"].startswith("resumes from ") and \
             r["latest, rank 1's rng damaged"].endswith("rank_files/checkpoint-1"), r["latest, rank 1's rng damaged"]
