@@ -220,16 +220,32 @@ class GradGuard(Tensor):
             # a gradient hook editing `.grad` inside backward): not done, and recorded as above, so
             # that a write on one rank alone is one error on every rank at the step, not a raise here
             # that leaves the peers waiting. A read cannot go on without values: it raises
-            written = next(t for t in tree_leaves(args[:1]) if isinstance(t, GradGuard))
-            owner = _live_owner(written)
-            if in_backward or owner.guard_state(written._name) is not GradState.STEPPED:
-                owner.refused(written._name, what, in_backward)
-            # else a write to the last step's gradient, consumed: without effect, as every way on drops
-            # it (zero_grad(), the optimizer's or the model's, either setting) or is refused for its
-            # own sake (a backward onto it, step() again, a read), so recording it would refuse a
-            # later sound step (after model.zero_grad(), which the optimizer does not see)
+            for written in (t for t in tree_leaves(args[:1]) if isinstance(t, GradGuard)):
+                owner = _live_owner(written)
+                if in_backward or owner.guard_state(written._name) is not GradState.STEPPED:
+                    owner.refused(written._name, what, in_backward)
+                # else a write to the last step's gradient, consumed: without effect, as every way on
+                # drops it (zero_grad(), the optimizer's or the model's, either setting) or is refused
+                # for its own sake (a backward onto it, step() again, a read), so recording it would
+                # refuse a later sound step (after model.zero_grad(), which the optimizer does not see)
+            if isinstance(args[0], (list, tuple)):  # a foreach op: it runs on the list's plain tensors
+                _run_on_plain(func, args, kwargs)
             return args[0] if isinstance(args[0], Tensor) else None
         raise CanzonaError(owner.refusal(guard._name, what, in_backward))
+
+
+def _run_on_plain(func: Any, args: tuple, kwargs: dict) -> None:
+    """A foreach op over a list mixing guards and plain tensors, run on the plain ones alone: every
+    list argument of the first's length (tensors, scalars) taken at the same places."""
+    n = len(args[0])
+    keep = [i for i, t in enumerate(args[0]) if not isinstance(t, GradGuard)]
+    if not keep:
+        return
+
+    def pick(a: Any) -> Any:
+        return [a[i] for i in keep] if isinstance(a, (list, tuple)) and len(a) == n else a
+
+    func(*(pick(a) for a in args), **{k: pick(v) for k, v in kwargs.items()})
 
 
 def _zero(guard: GradGuard, what: str) -> None:

@@ -2335,6 +2335,34 @@ def test_an_in_place_write_between_backward_and_step_is_refused_by_the_step_noth
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
+@pytest.mark.parametrize("when", ["between backward and step", "after the step"])
+def test_a_foreach_write_over_guards_and_plain_tensors_runs_on_the_plain_ones(one_rank, when):
+    """`torch._foreach_mul_` / `_foreach_add_` over a list mixing guarded gradients and plain tensors:
+    the op runs on the plain ones (each list argument taken at the same places), the guards' part is
+    recorded as any write to a guard (refused by step() between backward and step, nothing updated;
+    without effect on the last step's gradient). Before: the whole op returned without running,
+    the plain tensors silently unchanged."""
+    (model, opt), _ = _branchy_adamw(), None
+    _sound_step(model, opt, 0)
+    if when == "between backward and step":
+        opt.zero_grad()
+        _branchy_loss(model, 1).backward()
+    plain, other = torch.full((3,), 4.0), torch.full((2,), 1.0)
+    grads = [model.a.weight.grad, model.b.bias.grad]
+    torch._foreach_mul_([grads[0], plain, grads[1], other], 0.5)
+    assert torch.equal(plain, torch.full((3,), 2.0)) and torch.equal(other, torch.full((2,), 0.5))
+    torch._foreach_add_([plain, grads[0], other], [torch.ones(3), torch.ones(grads[0].shape), torch.full((2,), 3.0)],
+                        alpha=2)
+    assert torch.equal(plain, torch.full((3,), 4.0)) and torch.equal(other, torch.full((2,), 6.5))
+    if when == "after the step":
+        return
+    before = _params(model)
+    with pytest.raises(CanzonaError, match="'a.weight'.*_foreach_mul_") as refused:
+        opt.step()
+    assert any(e.name == "_step" for e in refused.traceback), refused.traceback
+    assert compare(_params(model), before)["bit_identical"]
+
+
 @pytest.mark.parametrize("zero", list(RECOVERIES))
 def test_a_write_to_the_last_steps_gradient_then_zero_grad_steps_as_torch(one_rank, zero):
     """After step(), `fill_(1)` on a gradient (consumed: the buffers hold the last step's), then any
