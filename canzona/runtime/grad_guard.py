@@ -29,10 +29,10 @@ Three of these refusals may come on one rank alone, its loop having taken a bran
 not: a backward onto a `STEPPED` gradient (no `zero_grad()` since the step), a second backward onto a
 `REDUCING` one (no `no_sync()`), zeroing a `REDUCING` one. A raise there would leave the peers
 waiting in the step's collectives until the timeout, so they are recorded instead (`refused`), as
-is any other in-place write to a guard (scaling, `fill_`, a hook editing `.grad` in backward; one to
-a `STEPPED` gradient outside backward is without effect; a read has no values to go on with, and
-raises): the
-gradient is not taken, the rank issues the same collectives as its peers, and the step's check
+is any other in-place write to a guard (scaling, `fill_`, a hook editing `.grad` in backward; recorded
+per gradient, `written`, and dropped with it: zeroing it or setting it to None drops the write, as in
+torch; one to a `STEPPED` gradient outside backward is without effect; a read has no values to go on
+with, and raises): the gradient is not taken, the rank issues the same collectives as its peers, and the step's check
 fails on every rank together, naming the mistake, before anything is updated. That step is then
 abandoned on every rank (its gradients left `STEPPED`, as a step leaves them): `model.zero_grad()`
 or `optimizer.zero_grad()` and a backward go on as after a step. After a step refused without being broken (its
@@ -123,6 +123,10 @@ class GuardOwner(Protocol):
     def refused(self, name: str, what: str, in_backward: bool) -> None:
         """`refusal`'s error, recorded for the step's check (which fails on every rank together)
         instead of raised; `name`'s gradient is not taken."""
+
+    def written(self, name: str, what: str, in_backward: bool) -> None:
+        """An in-place write `what` to `name`'s guarded gradient, not done: `refusal`'s error recorded
+        for `name` until its gradient is dropped (zeroed, set to None), for the step's check."""
 
     def amp_unscale(self, name: str, found_inf: Tensor, inv_scale: Tensor) -> None:
         """GradScaler's unscale of the gradients (`name`: one of them): multiply every reduced
@@ -223,7 +227,7 @@ class GradGuard(Tensor):
             for written in (t for t in tree_leaves(args[:1]) if isinstance(t, GradGuard)):
                 owner = _live_owner(written)
                 if in_backward or owner.guard_state(written._name) is not GradState.STEPPED:
-                    owner.refused(written._name, what, in_backward)
+                    owner.written(written._name, what, in_backward)
                 # else a write to the last step's gradient, consumed: without effect, as every way on
                 # drops it (zero_grad(), the optimizer's or the model's, either setting) or is refused
                 # for its own sake (a backward onto it, step() again, a read), so recording it would

@@ -216,6 +216,10 @@ class GradientSync:
         # reduced (the guard's `refused`: STALE_GRADIENTS, SYNCED_TWICE, the zeroing's line), a
         # parameter read before its gather landed (`_arrive`: `read_check`)
         self._left: str | None = None
+        # per parameter, the line of an in-place write to its guard (`written`: not done), for the
+        # step's check while that gradient is held; dropped with the gradient (zeroed: `dropped`; set
+        # to None: a fresh `.grad` in `_arrive`, None at a launch in `_take_all`), as torch drops the write
+        self._writes: dict[str, str] = {}
         # set by a check that found some rank's step broken (`_broken`, carried over TP), on every
         # rank of the cluster alike: the optimizer then abandons the step (`abandon`)
         self.broken_refusal = False
@@ -472,6 +476,7 @@ class GradientSync:
             return
         self._zeroed.discard(name)  # a backward reached it (a zeroed guard took it in `accumulate`)
         if p.grad is not guard:
+            self._writes.pop(name, None)  # a write to the gradient set to None since went with it
             # backward wrote a fresh `.grad` (the last one was dropped, or this is the step's first
             # backward), or the user assigned one: it replaces what the buffer held, as in torch
             grad = local_grad(p)
@@ -569,6 +574,7 @@ class GradientSync:
                     self._leave(buffer, name, handed_message(name, "dropped (zero_grad() or .grad = None)"))
                     continue
                 self._zeroed.discard(name)  # set to None since (model.zero_grad())
+                self._writes.pop(name, None)
                 for entry in self.stacks.members[name]:
                     if self.buffer_of[entry] is buffer:
                         buffer.zero(entry)
@@ -696,16 +702,33 @@ class GradientSync:
         gradient it would add is not taken. The last step's gradient is zeroed in the buffers not
         under a reduction (its bucket then launches with zeros, as its peers' launches); one being
         reduced is left as it is, under its collective."""
+        self._zero_stepped(name)
+        if self._left is None:  # the first problem is the one reported (`refusal` may walk the live objects)
+            self._record(self.refusal(name, what, in_backward))
+
+    def _zero_stepped(self, name: str) -> None:
         if self.guard_state(name) is GradState.STEPPED:
             for entry in self.stacks.members[name]:
                 k = self._bucket_of.get(entry)
                 if k is None or self._launched[k] is None:
                     self.buffer_of[entry].zero(entry)
-        if self._left is None:  # the first problem is the one reported (`refusal` may walk the live objects)
-            self._record(self.refusal(name, what, in_backward))
+
+    def written(self, name: str, what: str, in_backward: bool) -> None:
+        """An in-place write to `name`'s guard (scaling, `fill_`, a hook editing `.grad`), not done:
+        recorded for `name` (`_writes`) while its gradient is held, so that the step's check refuses
+        it on every rank together; dropping that gradient drops the record, as torch's drops the write."""
+        self._zero_stepped(name)
+        if name not in self._writes:
+            self._writes[name] = self.refusal(name, what, in_backward)
+
+    def _held_write(self) -> str | None:
+        """The first recorded write (`written`) to a gradient still held (its guard in `.grad`)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return next((line for n, line in self._writes.items() if self.params[n].grad is self._guards[n]), None)
 
     def dropped(self, name: str) -> None:
         """`zero_()` on the guard: torch keeps a zero `.grad` (see `_zeroed`)."""
+        self._writes.pop(name, None)
         self._states.pop(name, None)
         self._zeroed.add(name)
 
@@ -799,11 +822,12 @@ class GradientSync:
         replaced in the model, a gradient left from the last step (no backward reached it, no zero_grad()
         since: met at a bucket's launch), or a gradient dropped or replaced after it was handed to the
         reduction (dropped, then written anew by a backward: met in that backward)."""
-        if self._left is not None:
+        left = self._left or self._held_write()
+        if left is not None:
             # a module replaced in the model (its old parameters' gradients left unreached: 'still the
             # last step's') is the cause to name
             replaced = self.replaced_check() if self.replaced_check is not None else None
-            return replaced or self._left
+            return replaced or left
         unlinked = next((n for buf in self.all_buffers() for n in buf.unlinked()), None) or \
             next(self.stacks.unlinked(), None) or \
             next((n for n, record in self._fsdp.items() if not fsdp_reads(record, self.params[n])), None)

@@ -2363,6 +2363,58 @@ def test_a_foreach_write_over_guards_and_plain_tensors_runs_on_the_plain_ones(on
     assert compare(_params(model), before)["bit_identical"]
 
 
+WRITE_THEN_DROP = {
+    "no_sync, mul_, zero_()": ("no_sync", lambda m, o: [p.grad.zero_() for p in m.parameters()]),
+    "no_sync, mul_, model.zero_grad()": ("no_sync", lambda m, o: m.zero_grad()),
+    "no_sync, mul_, opt.zero_grad()": ("no_sync", lambda m, o: o.zero_grad()),
+    "zeroed, mul_, model.zero_grad()": ("zeroed", lambda m, o: m.zero_grad()),
+    "zeroed, mul_, fill_(0)": ("zeroed", lambda m, o: [p.grad.fill_(0) for p in m.parameters()]),
+}
+
+
+@pytest.mark.parametrize("case", list(WRITE_THEN_DROP))
+def test_a_write_to_a_gradient_then_dropped_steps_as_torch(one_rank, case):
+    """An in-place write (`mul_(0.5)`) to a gradient accumulating under no_sync() or zeroed
+    (zero_grad(set_to_none=False)), then that gradient dropped (`zero_()`, `fill_(0)`,
+    model.zero_grad(), opt.zero_grad()), a backward and step(): the step goes on as torch's (the
+    write dropped with the gradient), bit for bit a run without the write. Before: the write's record
+    outlived the gradient and step() was refused ('nothing may read or change .grad ... (mul_.Tensor)')."""
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    _sound_step(model, opt, 0)
+    habit, drop = WRITE_THEN_DROP[case]
+    if habit == "no_sync":
+        opt.zero_grad()
+        with opt.no_sync():
+            _branchy_loss(model, 1).backward()
+    else:
+        opt.zero_grad(set_to_none=False)
+    for p in model.parameters():
+        p.grad.mul_(0.5)
+    drop(model, opt)
+    _branchy_loss(model, 2).backward()
+    opt.step()
+    _sound_step(reference, ropt, 0)
+    _sound_step(reference, ropt, 2)
+    assert compare(_params(model), _params(reference))["bit_identical"]
+
+
+def test_a_write_to_a_gradient_dropped_for_another_parameter_is_still_refused(one_rank):
+    """The write's record goes with its own gradient only: `mul_` on one gradient under no_sync(),
+    another one zeroed, then a backward and step(): refused naming the written one, nothing updated."""
+    model, opt = _branchy_adamw()
+    _sound_step(model, opt, 0)
+    opt.zero_grad()
+    with opt.no_sync():
+        _branchy_loss(model, 1).backward()
+    model.a.weight.grad.mul_(0.5)
+    model.b.weight.grad.zero_()
+    _branchy_loss(model, 2).backward()
+    before = _params(model)
+    with pytest.raises(CanzonaError, match="'a.weight'.*mul_"):
+        opt.step()
+    assert compare(_params(model), before)["bit_identical"]
+
+
 @pytest.mark.parametrize("zero", list(RECOVERIES))
 def test_a_write_to_the_last_steps_gradient_then_zero_grad_steps_as_torch(one_rank, zero):
     """After step(), `fill_(1)` on a gradient (consumed: the buffers hold the last step's), then any
