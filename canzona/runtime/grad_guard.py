@@ -21,9 +21,10 @@ saying what to use instead. A guard has one of four states, kept by the optimize
   as torch leaves it; the next backward's accumulation is routed into the buffer, replacing what
   it held, and a step that no backward reached steps a zero gradient, as torch's optimizers do.
 
-`zero_()` (what `model.zero_grad(set_to_none=False)` calls), `fill_(0)` and `torch._foreach_zero_`
-(torch.optim's `zero_grad(set_to_none=False)`) zero an accumulating or stepped gradient; a gradient
-being reduced cannot be zeroed.
+`zero_()` (what `model.zero_grad(set_to_none=False)` calls), `fill_(0)` (a 0-dim zero tensor too) and
+`torch._foreach_zero_` (torch.optim's `zero_grad(set_to_none=False)`) zero an accumulating or stepped
+gradient; a gradient being reduced cannot be zeroed. `mul_(0)` is not zeroing (torch keeps NaN * 0 = NaN):
+it is an in-place write as any other.
 
 Three of these refusals may come on one rank alone, its loop having taken a branch its peers did
 not: a backward onto a `STEPPED` gradient (no `zero_grad()` since the step), a second backward onto a
@@ -187,7 +188,7 @@ class GradGuard(Tensor):
             owner.amp_unscale(guard._name, args[1], args[2])
             return None
         what = func.__name__
-        if func is aten.fill_.Scalar and args[0] is guard and args[1] == 0:
+        if args and args[0] is guard and _fills_zero(func, args[1:]):
             func, what = aten.zero_.default, "fill_(0)"  # zeroing, as zero_() is
         if func is _FOREACH_ZEROS:  # torch.optim's zero_grad(set_to_none=False): each gradient zeroed
             for g in args[0]:
@@ -236,6 +237,17 @@ class GradGuard(Tensor):
                 _run_on_plain(func, args, kwargs)
             return args[0] if isinstance(args[0], Tensor) else None
         raise CanzonaError(owner.refusal(guard._name, what, in_backward))
+
+
+def _fills_zero(func: Any, value: tuple) -> bool:
+    """`fill_(0)`, or `fill_(v)` with `v` a 0-dim tensor holding zero: zeroing. (`mul_(0)` is not:
+    torch keeps NaN * 0 = NaN, so it is an in-place write as any other.)"""
+    if func is aten.fill_.Scalar:
+        return value[0] == 0
+    if func is aten.fill_.Tensor:
+        v = value[0]
+        return not isinstance(v, GradGuard) and v.dim() == 0 and bool(v == 0)
+    return False
 
 
 def _run_on_plain(func: Any, args: tuple, kwargs: dict) -> None:

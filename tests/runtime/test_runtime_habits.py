@@ -2284,6 +2284,7 @@ def _foreach_zero(grads: list[torch.Tensor]) -> None:
 GRAD_ZEROINGS = {
     "foreach_zero_": lambda m, o: _foreach_zero([p.grad for p in m.parameters() if p.grad is not None]),
     "fill_(0)": lambda m, o: [p.grad.fill_(0) for p in m.parameters() if p.grad is not None],
+    "fill_(tensor(0.))": lambda m, o: [p.grad.fill_(torch.tensor(0.0)) for p in m.parameters() if p.grad is not None],
 }
 
 
