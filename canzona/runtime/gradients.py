@@ -1271,10 +1271,16 @@ HOOKED_ON_GUARD = ("a gradient hook used the gradient of {name!r} ({what}) while
 
 def _in_nested_backward() -> bool:
     """Whether this runs inside a backward started from an autograd Function's backward (what
-    torch.utils.checkpoint(use_reentrant=True) does per segment): read on a refusal's path only."""
-    from torch.autograd.function import BackwardCFunction
+    torch.utils.checkpoint(use_reentrant=True) does per segment): read on a refusal's path only.
+    It reads torch's private BackwardCFunction.apply: a torch without it says False (only the
+    refusal's wording degrades; a raise here would come inside a backward, on one rank)."""
+    try:
+        from torch.autograd.function import BackwardCFunction
 
-    frame, nested = sys._getframe(), BackwardCFunction.apply.__code__
+        nested = BackwardCFunction.apply.__code__
+    except Exception:
+        return False
+    frame = sys._getframe()
     while frame is not None:
         if frame.f_code is nested:
             return True

@@ -2416,6 +2416,20 @@ def test_a_write_to_a_gradient_dropped_for_another_parameter_is_still_refused(on
     assert compare(_params(model), before)["bit_identical"]
 
 
+def test_telling_a_nested_backward_apart_without_torchs_private_attribute_says_no(monkeypatch):
+    """`_in_nested_backward` reads torch's private BackwardCFunction.apply: a torch without it (or
+    with a builtin there, no `__code__`) gives False (only a refusal's message degrades), not an
+    AttributeError raised from inside a backward on one rank (its peers then waiting)."""
+    from torch.autograd.function import BackwardCFunction
+
+    from canzona.runtime.gradients import _in_nested_backward
+
+    monkeypatch.setattr(BackwardCFunction, "apply", len)
+    assert _in_nested_backward() is False
+    monkeypatch.delattr(BackwardCFunction, "apply")
+    assert _in_nested_backward() is False
+
+
 @pytest.mark.parametrize("zero", list(RECOVERIES))
 def test_a_write_to_the_last_steps_gradient_then_zero_grad_steps_as_torch(one_rank, zero):
     """After step(), `fill_(1)` on a gradient (consumed: the buffers hold the last step's), then any
