@@ -182,6 +182,14 @@ class GradientSync:
         # optimizer's hook (`_arrive`): a use of its guard later in the same backward is a hook that
         # runs after the optimizer's own (`refusal`)
         self._arrived_in: dict[str, int] = {}
+        # whether that arrival came inside a nested backward (an autograd Function's backward: a
+        # re-entrant checkpoint segment's), looked up once per graph task (`_task_nested`); and the
+        # outermost backward known to be running (a graph task with an arrival outside any segment,
+        # until autograd's callback at its end): what tells a second accumulation in one backward
+        # (REACHED_TWICE) from one in a second backward (SYNCED_TWICE), `_reached_twice`
+        self._arrived_nested: dict[str, bool] = {}
+        self._task_nested: tuple[int, bool] = (-1, False)
+        self._running_top: int | None = None
         self.reset()
         self._refused_line: str | None = None  # `abandon`'s
         self._hooks = [p.register_post_accumulate_grad_hook(_on_grad_ready(owner, name)) for name, p in params.items()]
@@ -440,7 +448,9 @@ class GradientSync:
                 # on to the reduction, so that this rank issues the same collectives as its peers
                 self._record(str(e))
         self._accumulated.discard(name)
-        self._arrived_in[name] = torch._C._current_graph_task_id()
+        task = torch._C._current_graph_task_id()
+        self._arrived_in[name] = task
+        self._arrived_nested[name] = self._nested(task)
         if not self.is_linked(name):
             # out of the buffers (`.data` assigned, a cast): its gradient stays in `.grad`, unwritten,
             # and its bucket waits (no launch with a stale entry in backward); `_take_all` leaves it
@@ -497,6 +507,49 @@ class GradientSync:
         for entry in self.stacks.members[name]:
             self._arrived[self._bucket_of[entry]].add(entry)
         self._launch_ready_buckets()
+
+    def _nested(self, task: int) -> bool:
+        """Whether graph task `task` (running now) is a nested backward: the stack walked once per
+        task. A task outside any is the running outermost backward until its end (autograd's
+        queued callback)."""
+        if task == self._task_nested[0]:
+            return self._task_nested[1]
+        nested = _in_nested_backward()
+        self._task_nested = (task, nested)
+        if not nested:
+            me = weakref.ref(self)
+
+            def ended() -> None:
+                sync = me()
+                if sync is not None and sync._running_top == task:
+                    sync._running_top = None
+
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(ended)
+            except Exception:  # unknown then: `_reached_twice` names both causes
+                return nested
+            self._running_top = task
+        return nested
+
+    def _reached_twice(self, name: str) -> str:
+        """A second accumulation onto `name`'s gradient, handed to the reduction by its first: in the
+        same backward (a re-entrant checkpoint segment and a use elsewhere: REACHED_TWICE) or in a
+        second backward (no no_sync(): SYNCED_TWICE), told apart by graph task ids (increasing: a
+        segment's backward runs as a task inside the outer one) and whether each arrival was nested;
+        both inside segments (the whole model checkpointed), the tasks cannot tell: both named."""
+        task, nested = torch._C._current_graph_task_id(), _in_nested_backward()
+        first, first_nested = self._arrived_in.get(name), self._arrived_nested.get(name, False)
+        if first is None or not (nested or first_nested):
+            return SYNCED_TWICE
+        if first_nested and not nested:
+            # this (outer) task began before the segment's that first reached it: the same backward
+            return REACHED_TWICE.format(name=name) if task < first else SYNCED_TWICE
+        top = self._running_top
+        if not first_nested:  # first reached outside any segment: is that backward still running?
+            return REACHED_TWICE.format(name=name) if top == first else SYNCED_TWICE
+        if top is not None:  # both in segments, an outermost backward known to be running
+            return REACHED_TWICE.format(name=name) if top < first else SYNCED_TWICE
+        return REACHED_OR_SYNCED.format(name=name)
 
     def _write(self, name: str, grad: Tensor, add: bool = False) -> None:
         """Parameter `name`'s local gradient into its entries' buffers (added to what they hold
@@ -770,8 +823,7 @@ class GradientSync:
         if in_backward:
             # a second accumulation after the gradient went to the reduction: inside a backward run
             # from an autograd Function's backward (re-entrant checkpointing), in the same backward
-            return ((REACHED_TWICE.format(name=name) if _in_nested_backward() else SYNCED_TWICE)
-                    if state is GradState.REDUCING else
+            return (self._reached_twice(name) if state is GradState.REDUCING else
                     f"backward cannot add into the gradient of {name!r} held by canzona's DistributedOptimizer "
                     f"this way ({what}: not autograd's accumulation)")
         if name in self._graphed:
@@ -1257,9 +1309,15 @@ HOOKED_BEFORE = ("a gradient hook edited the gradient of {name!r} ({what}) insid
                  "the gradient), with no values; in p.register_hook(fn), return the transformed gradient fn is given "
                  "instead of editing .grad")
 REACHED_TWICE = ("the gradient of {name!r} was reached twice in one backward, after the first had been handed to "
-                 "the reduction: a parameter used by two re-entrant activation-checkpoint segments gets a gradient "
-                 "from each segment's own backward; checkpoint with use_reentrant=False (Hugging Face: "
-                 "gradient_checkpointing_kwargs={{'use_reentrant': False}})")
+                 "the reduction: a parameter used inside a re-entrant activation-checkpoint segment and elsewhere "
+                 "(another segment, or outside any) gets a gradient from each segment's own backward; checkpoint "
+                 "with use_reentrant=False (Hugging Face: gradient_checkpointing_kwargs={{'use_reentrant': False}})")
+# both accumulations inside re-entrant segments, no outer backward seen: one backward or two, unknown
+REACHED_OR_SYNCED = ("the gradient of {name!r} was reached again inside a re-entrant activation-checkpoint segment "
+                     "after it had been handed to the reduction: either two backwards ran in one step without "
+                     "no_sync() (wrap the backward of accumulation micro-batches in `with optimizer.no_sync():`), "
+                     "or one backward reached it from two segments (a parameter used in both: checkpoint with "
+                     "use_reentrant=False; Hugging Face: gradient_checkpointing_kwargs={{'use_reentrant': False}})")
 
 HOOKED_ON_GUARD = ("a gradient hook used the gradient of {name!r} ({what}) while .grad was the optimizer's guard: "
                    "after zero_grad(set_to_none=False), and in each backward of a no_sync() accumulation after "

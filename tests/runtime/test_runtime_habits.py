@@ -2430,6 +2430,56 @@ def test_telling_a_nested_backward_apart_without_torchs_private_attribute_says_n
     assert _in_nested_backward() is False
 
 
+def _reentrant(fn, x: torch.Tensor) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(fn, x, use_reentrant=True)
+
+
+def _reentrant_losses(model, how: str) -> list[torch.Tensor]:
+    """The losses of `how`'s backwards (each built just before its backward)."""
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    w = model.a.weight
+    if how == "outside, then a segment, one backward":
+        return [lambda: _reentrant(lambda x: x @ w.t(), x).sum() + (w * w).sum()]
+    if how == "a segment, then outside, one backward":
+        return [lambda: model.b(_reentrant(lambda h: torch.tanh(model.branch(h)) + w.sum() * h,
+                                           torch.tanh(model.a(x)))).sum()]
+    if how == "whole model in a segment, two backwards":
+        return [lambda: _reentrant(lambda x: model(x, True), x).sum()] * 2
+    assert how == "whole model in a segment, then plain, two backwards"
+    return [lambda: _reentrant(lambda x: model(x, True), x).sum(), lambda: model(x, True).sum()]
+
+
+REENTRANT_SAYS = {
+    "outside, then a segment, one backward": ("reached twice in one backward", "no_sync"),
+    "a segment, then outside, one backward": ("reached twice in one backward", "no_sync"),
+    "whole model in a segment, two backwards": ("with optimizer.no_sync()", None),
+    "whole model in a segment, then plain, two backwards": ("synchronised twice", "use_reentrant"),
+}
+
+
+@pytest.mark.parametrize("how", list(REENTRANT_SAYS))
+def test_a_gradient_reached_twice_with_reentrant_checkpoints_names_the_cause_it_can_tell(one_rank, how):
+    """A second accumulation onto a gradient handed to the reduction, with re-entrant checkpoint
+    segments about: one backward reaching a parameter inside a segment and outside it (either order)
+    is REACHED_TWICE (use_reentrant=False, not no_sync()); two backwards without no_sync() where the
+    second is outside any segment is SYNCED_TWICE; where both are inside segments (the whole model
+    checkpointed, two backwards) the graph tasks cannot tell them apart: one line naming both causes
+    and both remedies. Before: the whole-model case said REACHED_TWICE alone (the mistake was the
+    missing no_sync()), the segment-then-outside one SYNCED_TWICE (one backward)."""
+    model, opt = _branchy_adamw()
+    opt.zero_grad()
+    for loss in _reentrant_losses(model, how):
+        loss().backward()
+    with pytest.raises(CanzonaError) as refused:
+        opt.step()
+    said, absent = str(refused.value), REENTRANT_SAYS[how][1]
+    assert REENTRANT_SAYS[how][0] in said and (absent is None or absent not in said), said
+    if absent is None:
+        assert "use_reentrant=False" in said, said
+
+
 @pytest.mark.parametrize("zero", list(RECOVERIES))
 def test_a_write_to_the_last_steps_gradient_then_zero_grad_steps_as_torch(one_rank, zero):
     """After step(), `fill_(1)` on a gradient (consumed: the buffers hold the last step's), then any
