@@ -31,8 +31,10 @@ For a model whose parameters a canzona optimizer holds:
 - `clip_grad_norm_(model.parameters(), max_norm)` is `opt.clip_grad_norm_(max_norm)`: clips by the
   global norm of the reduced gradients and returns it (`max_norm=inf`: the norm only); on a
   micro-batch before the last (`accelerator.sync_gradients` False) it is one error. Any other
-  set of parameters (a subset, or one mixing in another optimizer's) is refused, as is
-  `clip_grad_value_`;
+  set of parameters (a subset, or one mixing in another optimizer's) is refused;
+- `clip_grad_value_(model.parameters(), clip_value)` is `opt.clip_grad_value_(clip_value)` (clamps
+  the reduced gradients), refused as `clip_grad_norm_` is on a micro-batch before the last or
+  another set of parameters;
 - `get_state_dict` (and so `save_model` and `save_state`) gives tensors with storage of their own:
   accelerate's safetensors writer drops every tensor that shares storage with another, and all the
   parameters share the optimizer's buffers. The copies are on the CPU, on the ranks that write
@@ -173,9 +175,6 @@ FSDP_LAYOUT_REFUSED = ("the optimizer is canzona's FSDP2 layout (FsdpOptimizer: 
                        "(examples/fsdp2_train.py: opt.clip_grad_norm_, torch's get_state_dict(model, opt) / "
                        "set_state_dict with torch.distributed.checkpoint; accumulate under "
                        "model.set_requires_gradient_sync(False))")
-CLIP_VALUE_REFUSED = ("clip_grad_value_ is not supported with a canzona DistributedOptimizer (each rank holds only "
-                      "its share of the reduced gradients): clip by the global norm with "
-                      "accelerator.clip_grad_norm_(model.parameters(), max_norm)")
 
 
 def canzona_optimizer(optimizer: Any) -> DistributedOptimizer | None:
@@ -952,35 +951,37 @@ class CanzonaAccelerator(Accelerator):
             return super().clip_grad_norm_(params, max_norm, norm_type)
         return opt.clip_grad_norm_(float(max_norm), float(norm_type))
 
-    def _clipped_optimizer(self, params: list[Tensor]) -> DistributedOptimizer | None:
+    def _clipped_optimizer(self, params: list[Tensor], what: str = "clip_grad_norm_") -> DistributedOptimizer | None:
         """The canzona optimizer holding exactly the trainable ones of `params`, or None if none
-        holds any; refuses anything in between."""
+        holds any; refuses anything in between (`what`: the clip asked for)."""
         holders = self._holders(params)
         if not holders:
             return None
+        how = "max_norm" if what == "clip_grad_norm_" else "clip_value"
         if len(holders) > 1:
-            raise CanzonaError("clip_grad_norm_ got the parameters of several canzona optimizers: clip each with its "
-                               "own optimizer.clip_grad_norm_(max_norm)")
+            raise CanzonaError(f"{what} got the parameters of several canzona optimizers: clip each with its "
+                               f"own optimizer.{what}({how})")
         opt = holders[0]
         given = {id(p) for p in params}
         missing = [n for n, p in opt.params.items() if id(p) not in given]
         if missing:
-            raise CanzonaError(f"clip_grad_norm_ got a subset of the canzona optimizer's parameters ({missing[0]!r} "
-                               f"and {len(missing) - 1} more are missing): it clips by the global norm of all of "
-                               "them; pass model.parameters()")
+            whole = "by the global norm of all of them" if what == "clip_grad_norm_" else "all of them together"
+            raise CanzonaError(f"{what} got a subset of the canzona optimizer's parameters ({missing[0]!r} "
+                               f"and {len(missing) - 1} more are missing): it clips {whole}; pass model.parameters()")
         ids = _ids(opt)
         foreign = [p for p in params if id(p) not in ids and p.requires_grad]
         if foreign:
-            raise CanzonaError(f"clip_grad_norm_ got {len(foreign)} trainable parameter(s) the canzona optimizer does "
+            raise CanzonaError(f"{what} got {len(foreign)} trainable parameter(s) the canzona optimizer does "
                                f"not hold (the first of shape {tuple(foreign[0].shape)}) with those it holds: clip "
                                "each optimizer's parameters on their own")
         return opt
 
     def clip_grad_value_(self, parameters: Tensor | Iterable[Tensor], clip_value: float) -> None:
         params = parameter_list(parameters)
-        if self._holders(params):
-            raise CanzonaError(CLIP_VALUE_REFUSED)
-        return super().clip_grad_value_(params, clip_value)
+        opt = self._clipped_optimizer(params, "clip_grad_value_")
+        if opt is None:
+            return super().clip_grad_value_(params, clip_value)
+        return opt.clip_grad_value_(float(clip_value))
 
     # --- checkpoints -------------------------------------------------------------------------
 

@@ -834,8 +834,10 @@ class GradientSync:
         where = ("accumulating in the optimizer's buffers (under no_sync())" if state is GradState.ACCUMULATING
                  else "zero, held by the optimizer" if state is GradState.ZEROED
                  else "being reduced across ranks by the optimizer")
+        value = ("; clip by value with opt.clip_grad_value_(clip_value), not torch.nn.utils.clip_grad_value_"
+                 if "clamp" in what else "")
         return (f"the gradient of {name!r} is {where}: nothing may read or change .grad between backward and step() "
-                f"({what}). {GUARD_ADVICE}")
+                f"({what}{value}). {GUARD_ADVICE}")
 
     def amp_unscale(self, name: str, found_inf: Tensor, inv_scale: Tensor) -> None:
         if self.unscale is None:

@@ -74,7 +74,7 @@ from canzona.runtime.expert_part import (
     expert_groups,
 )
 from canzona.runtime.grad_guard import handed_inverse_scale
-from canzona.runtime.gradients import GradientSync, StepCheck
+from canzona.runtime.gradients import GradientSync, StepCheck, combine_norm_terms, local_norm_term
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
@@ -838,6 +838,49 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         if math.isfinite(max_norm):  # a clip, not a measure: GradScaler's unscale must come before it
             self._amp.clipped = self.grads.checked
         return torch.tensor(total, dtype=torch.float32)
+
+    @eager_only
+    @torch.no_grad()
+    @autocast_off()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every *reduced* gradient element to [-clip_value, clip_value], as
+        torch.nn.utils.clip_grad_value_ clamps `.grad` under DDP (a clamp commutes with the sharding:
+        each element is clamped where it is held). Collective, as clip_grad_norm_(): call it on every
+        rank, after backward and before `step()`; it reduces and checks the step first. The norm a
+        clip_grad_norm_() after it measures is the clamped gradients' (one more small exchange);
+        GradScaler's unscale must come before it, as before clip_grad_norm_(). A non-finite norm
+        (nonfinite='skip', GradScaler's inf) is left to the step, unclamped.
+
+        `torch.nn.utils.clip_grad_value_` on the model cannot work here: `.grad` holds guards while
+        the gradients are being reduced; its clamp is refused at step() naming this method."""
+        if not (isinstance(clip_value, (int, float)) and not isinstance(clip_value, bool) and clip_value > 0):
+            raise SpecError(f"clip_value must be a positive number, got {clip_value!r}")
+        if any(not grads.syncing for grads in self._syncs()):
+            raise CanzonaError("clip_grad_value_ inside no_sync() (an accumulation micro-batch, whose gradients the "
+                               "last micro-batch's backward reduces): clip once, after that backward (under accelerate: "
+                               "`if accelerator.sync_gradients:`)")
+        check = self._prepare_step()
+        if math.isfinite(check.norm) and math.isfinite(clip_value):
+            value = float(clip_value)
+            for part in self._parts():  # updates or gathers computed early from the unclamped gradients
+                part.matrix_step.discard()
+            for grads in self._syncs():
+                for buf in grads.all_buffers():
+                    buf.reduced.clamp_(-value, value)
+            before = self.grads.checked
+            self.grads.checked = replace(before, norm=self._two_norm())
+            self._amp.rescaled(before, self.grads.checked)
+        self._amp.clipped = self.grads.checked
+
+    def _two_norm(self) -> float:
+        """The global 2-norm of the reduced gradients as they are now, as the step check sums it (each
+        rank's sum of squares in fp64, summed over DP, then TP): one more small all-gather each."""
+        segments = [s for grads in self._syncs() for s in grads.norm_segments()]
+        term = local_norm_term(segments).reshape(1)
+        total = combine_norm_terms(self.comm.all_gather_values(term, "gradient norm")[:, 0])
+        if self.tp_comm is not None:
+            total = combine_norm_terms(self.tp_comm.all_gather_values(total.reshape(1), "gradient norm")[:, 0])
+        return math.sqrt(float(total))
 
     def _clip(self, max_norm: float, norm: float) -> None:
         """Scale the reduced gradients by `max_norm / norm` when that is below 1 (torch's rule), and

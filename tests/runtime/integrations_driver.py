@@ -203,7 +203,7 @@ def refusals(accelerator: CanzonaAccelerator, model: torch.nn.Module) -> dict[st
 
     attempts = {
         "clip a subset": lambda: accelerator.clip_grad_norm_(params[:3], 1.0),
-        "clip_grad_value_": lambda: accelerator.clip_grad_value_(params, 0.1),
+        "clip_grad_value_ a subset": lambda: accelerator.clip_grad_value_(params[:3], 0.1),
         "a DDP model": lambda: accelerator.prepare(wrapped, other_opt),
         "a loose parameter": loose_parameter,
     }

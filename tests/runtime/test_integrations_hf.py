@@ -441,7 +441,7 @@ def test_the_accelerate_loop_resumes_from_save_state_exactly(ranks):
 def test_the_accelerator_refuses_what_it_cannot_do_right(ranks):
     refused = scenario(ranks, "accelerate")[0]["refusals"]
     assert refused["clip a subset"].startswith("CanzonaError: clip_grad_norm_ got a subset")
-    assert refused["clip_grad_value_"].startswith("CanzonaError: clip_grad_value_ is not supported")
+    assert refused["clip_grad_value_ a subset"].startswith("CanzonaError: clip_grad_value_ got a subset")
     assert refused["a DDP model"].startswith("CanzonaError: the model is wrapped in DistributedDataParallel")
     assert refused["a loose parameter"].startswith("CanzonaError: parameter 'extra' requires gradients but no "
                                                    "canzona optimizer holds it")
@@ -2357,3 +2357,38 @@ def test_the_logged_adamw_keys_are_those_of_the_initial_rates_after_a_resume(tmp
         for g in opt.param_groups:  # ... over the rates load_optimizer restored (every group at the floor)
             g["lr"] = 1e-4
         assert [k for k, _ in trainer._adamw_keys()] == straight, (given, kind)
+
+
+def test_accelerate_clip_grad_value_is_the_optimizers_and_steps_as_torch(one_rank):
+    """`CanzonaAccelerator.clip_grad_value_(model.parameters(), v)` is `opt.clip_grad_value_(v)`: the
+    weights bit for bit torch's AdamW after torch.nn.utils.clip_grad_value_ (one rank: the gradient
+    DDP averages is the rank's own); a subset of the optimizer's parameters is refused, as for
+    clip_grad_norm_. Before: refused ('clip_grad_value_ is not supported')."""
+    from canzona.integrations.accelerate import CanzonaAccelerator
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    model, reference = build(), build()
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "adamw",
+                               adamw_config={"weight_decay": 0.1})
+    accelerator = CanzonaAccelerator(cpu=True)
+    model, opt = accelerator.prepare(model, opt)
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+        opt.zero_grad()
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        accelerator.clip_grad_value_(model.parameters(), 0.01)
+        opt.step()
+        torch_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        torch.nn.utils.clip_grad_value_(reference.parameters(), 0.01)
+        torch_opt.step()
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(model.parameters(), reference.parameters()))
+    with pytest.raises(CanzonaError, match="^clip_grad_value_ got a subset"):
+        accelerator.clip_grad_value_(list(model.parameters())[:2], 0.01)

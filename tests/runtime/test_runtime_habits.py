@@ -2480,6 +2480,63 @@ def test_a_gradient_reached_twice_with_reentrant_checkpoints_names_the_cause_it_
         assert "use_reentrant=False" in said, said
 
 
+def test_opt_clip_grad_value_steps_as_torch_clip_grad_value_and_adamw(one_rank):
+    """`opt.clip_grad_value_(v)` between backward and step() clamps the reduced gradients to [-v, v]:
+    the weights bit for bit torch's AdamW after torch.nn.utils.clip_grad_value_ (one rank: the
+    gradient DDP averages is the rank's own), the branch's steps without a gradient included, and
+    the norm a clip_grad_norm_ after it measures is the clamped gradients'. torch's own
+    clip_grad_value_ on the model is refused at step() naming opt.clip_grad_value_ (before: a new
+    method, and the refusal named only `clamp_.default` and clip_grad_norm_)."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw",
+                               adamw_config={"weight_decay": 0.1})
+    reference = _Branchy()
+    torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    clipped = []
+    for step, use in enumerate(BRANCH_USED):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        for m, o in ((model, opt), (reference, torch_opt)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x, use), y).backward()
+            if o is opt:
+                opt.clip_grad_value_(0.02)
+                norm = float(opt.clip_grad_norm_(math.inf))
+            else:
+                clipped.append(any(bool((p.grad.abs() > 0.02).any()) for p in m.parameters() if p.grad is not None))
+                torch.nn.utils.clip_grad_value_(m.parameters(), 0.02)
+                grads = [p.grad.double() for p in m.parameters() if p.grad is not None]
+                assert norm == pytest.approx(float(torch.cat([t.flatten() for t in grads]).norm()), rel=1e-6)
+            o.step()
+    assert any(clipped)
+    assert compare(_params(model), {n: p.detach() for n, p in reference.named_parameters()})["bit_identical"]
+    opt.zero_grad()
+    _branchy_loss(model, 9).backward()
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)
+    with pytest.raises(CanzonaError, match=r"clamp.*opt\.clip_grad_value_\(clip_value\)"):
+        opt.step()
+    # GradScaler: unscale_ before the clamp (torch's order) steps; after it, one error
+    from canzona.runtime.grad_guard import AMP_AFTER_CLIP
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for order in ("unscale first", "clip first"):
+        opt.zero_grad()
+        scaler.scale(_branchy_loss(model, 10)).backward()
+        if order == "clip first":
+            opt.clip_grad_value_(0.02)
+            with pytest.raises(CanzonaError) as refused:
+                scaler.unscale_(opt)
+            assert str(refused.value) == AMP_AFTER_CLIP
+            break
+        scaler.unscale_(opt)
+        opt.clip_grad_value_(0.02)
+        scaler.step(opt)
+        scaler.update()
+
+
 @pytest.mark.parametrize("zero", list(RECOVERIES))
 def test_a_write_to_the_last_steps_gradient_then_zero_grad_steps_as_torch(one_rank, zero):
     """After step(), `fill_(1)` on a gradient (consumed: the buffers hold the last step's), then any
