@@ -613,6 +613,55 @@ def branchy_zero_job(rank: int, world: int, zero: str) -> dict:
     return _params(model)
 
 
+def branchy_clip_value_job(rank: int, world: int) -> dict:
+    """`_branchy_steps` (opt.zero_grad()) with opt.clip_grad_value_(0.02) between backward and step."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    model = _Branchy()
+    opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "adamw",
+                               adamw_config={"weight_decay": 0.1})
+    clip = opt.clip_grad_value_
+    _branchy_steps(model, _Clipping(opt, lambda: clip(0.02)), lambda m, o: o.zero_grad(), rank, world)
+    return _params(model)
+
+
+class _Clipping:
+    """An optimizer whose step() runs `clip` first (between backward and the step)."""
+
+    def __init__(self, opt, clip) -> None:
+        self.opt, self.clip = opt, clip
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        self.clip()
+        self.opt.step()
+
+
+def branchy_clip_value_reference(world: int) -> dict:
+    """torch's loop for `branchy_clip_value_job`: each rank's share's gradient averaged as DDP does,
+    torch.nn.utils.clip_grad_value_(0.02), torch.optim.AdamW."""
+    model = _Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    for step, use in enumerate(BRANCH_USED):
+        g = torch.Generator().manual_seed(100 + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+        shares = []
+        for rank in range(world):
+            share = slice(rank * 8 // world, (rank + 1) * 8 // world)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[share], use), y[share]).backward()
+            shares.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        for p, grads in zip(model.parameters(), zip(*shares)):
+            p.grad = None if grads[0] is None else sum(grads) / world
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def zeroed_taken_as_zero_job(rank: int, world: int) -> dict:
     """zero_grad(set_to_none=False), a backward that leaves the branch unused, clip_grad_norm_()
     (which takes the branch's gradient to the reduction as zero), then a no_sync() backward that
@@ -1340,6 +1389,7 @@ JOBS = {
     **{f"hooks {k}": ("optimizer_hooks_job", (k == "fsdp",)) for k in ("zero1", "fsdp")},
     **{f"replaced {how}": ("replaced_parameter_job", (how,)) for how in REPLACEMENTS},
     **{f"branchy {z}": ("branchy_zero_job", (z,)) for z in BRANCHY_ZEROS},
+    "branchy clip value": ("branchy_clip_value_job", ()),
     "second optimizer": ("second_optimizer_job", ()),
     **{f"one rank {how}": ("one_rank_mistake_job", (how,)) for how in ONE_RANK_MISTAKES},
     "zeroed taken as zero": ("zeroed_taken_as_zero_job", ()),
@@ -1447,6 +1497,8 @@ def test_touching_grad_between_backward_and_step_is_one_error_before_any_update(
             assert "found no gradient on any rank" in out["message"], out
         else:
             assert "opt.clip_grad_norm_" in out["message"] and "canzona.integrations.hf" in out["message"], out
+        if how == "torch clip value":
+            assert "opt.clip_grad_value_(clip_value)" in out["message"], out
 
 
 @pytest.mark.parametrize("how", ["max_grad_norm", "explicit"])
@@ -1493,6 +1545,15 @@ def test_an_unused_parameter_steps_as_torch_steps_it_after_either_zero_grad(runs
         assert compare(out, want)["max_rel_diff"] < 1e-6, zero
     kept, dropped = branchy_torch_reference("opt set_to_none=False"), branchy_torch_reference("opt")
     assert not torch.equal(kept["branch.weight"], dropped["branch.weight"])  # the habit matters
+
+
+def test_opt_clip_grad_value_under_dp_steps_as_torch_ddp_clip_grad_value_and_adamw(runs):
+    """DP 2: opt.clip_grad_value_(0.02) between backward and step(), the branch unused in two steps:
+    bit for bit torch's AdamW after torch.nn.utils.clip_grad_value_ on the gradient DDP averages."""
+    want = branchy_clip_value_reference(DP)
+    for out in runs["branchy clip value"]:
+        assert compare(out, want)["bit_identical"]
+    assert not compare(want, branchy_torch_reference("opt"))["bit_identical"]  # the clamp matters
 
 
 def test_0d_parameters_train_and_resume_under_dp_as_torch(runs):
