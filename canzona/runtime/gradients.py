@@ -536,7 +536,8 @@ class GradientSync:
         same backward (a re-entrant checkpoint segment and a use elsewhere: REACHED_TWICE) or in a
         second backward (no no_sync(): SYNCED_TWICE), told apart by graph task ids (increasing: a
         segment's backward runs as a task inside the outer one) and whether each arrival was nested;
-        both inside segments (the whole model checkpointed), the tasks cannot tell: both named."""
+        both inside segments with tasks begun between them and no outer arrival seen (the whole
+        model checkpointed), the tasks cannot tell: both named."""
         task, nested = torch._C._current_graph_task_id(), _in_nested_backward()
         first, first_nested = self._arrived_in.get(name), self._arrived_nested.get(name, False)
         if first is None or not (nested or first_nested):
@@ -547,6 +548,10 @@ class GradientSync:
         top = self._running_top
         if not first_nested:  # first reached outside any segment: is that backward still running?
             return REACHED_TWICE.format(name=name) if top == first else SYNCED_TWICE
+        if task == first + 1:
+            # both in segments, no task begun between them: a second backward would have begun its
+            # own outermost task between them (one runs at a time), so this is the same backward
+            return REACHED_TWICE.format(name=name)
         if top is not None:  # both in segments, an outermost backward known to be running
             return REACHED_TWICE.format(name=name) if top < first else SYNCED_TWICE
         return REACHED_OR_SYNCED.format(name=name)
