@@ -220,7 +220,10 @@ class GradGuard(Tensor):
             # in the collectives
             owner.refused(guard._name, what, in_backward)
             return result
-        if func.overloadpacket.__name__.endswith("_") and any(isinstance(t, GradGuard) for t in tree_leaves(args[:1])):
+        # a collective (c10d.allreduce_([grad], ...)) is no write to record: it raises as a read does,
+        # alike on every rank that issues it, before any rank's collective starts
+        collective = func.namespace == "c10d"
+        if not collective and func.overloadpacket.__name__.endswith("_") and any(isinstance(t, GradGuard) for t in tree_leaves(args[:1])):
             # any other in-place write to the gradient (scaling it, `fill_`, torch's clip_grad_value_,
             # a gradient hook editing `.grad` inside backward): not done, and recorded as above, so
             # that a write on one rank alone is one error on every rank at the step, not a raise here
