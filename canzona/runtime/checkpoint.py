@@ -905,7 +905,6 @@ def restore_settings(opt: Described, header: Mapping[str, Any], groups: list[Map
     if sharded:  # the full form keeps the device saved, as torch's load does
         _onto_held_devices(opt.param_groups, values)
         _tuples_again(opt, values)
-        _numpy_again(opt.param_groups, values)
     opt.matrix_cfg = saved_config(opt.optimizer, opt.matrix_cfg, header.get("matrix_config"), "matrix_config")
     opt.adamw_cfg = saved_config("adamw", opt.adamw_cfg, header.get("adamw_config"), "adamw_config")
     for group, saved in zip(opt.param_groups, values):
@@ -928,26 +927,6 @@ def _tuples_again(opt: Described, values: list[dict[str, Any]]) -> None:
             held = group[key] if key in group else getattr(base, key, None)
             if isinstance(value, list) and isinstance(held, tuple):
                 saved[key] = tuple(value)
-
-
-def _numpy_again(groups: Sequence[Mapping[str, Any]], values: list[dict[str, Any]]) -> None:
-    """A sharded checkpoint's NumPy scalars (kept as their numbers, JSON) that NumPy type again
-    where the live group holds one under the key (or at that place of its tuple: AdamW's `betas`)
-    and the number is exactly one of that type: a step computes with np.float32 betas in float32,
-    as torch's AdamW does (a Python float in their place would resume within rounding only)."""
-
-    def again(value: Any, held: Any) -> Any:
-        if isinstance(held, (tuple, list)) and isinstance(value, (tuple, list)) and len(held) == len(value):
-            return type(value)(again(v, h) for v, h in zip(value, held))
-        if type(value) in (int, float) and type(held).__module__ == "numpy" and getattr(held, "shape", None) == ():
-            made = type(held)(value)
-            return made if made.item() == value else value
-        return value
-
-    for group, saved in zip(groups, values):
-        for key, value in saved.items():
-            if key in group:
-                saved[key] = again(value, group[key])
 
 
 def _local(part: Checkpointable, by_name: Mapping[str, Any]) -> dict[str, Any]:
@@ -1563,8 +1542,11 @@ def sharded_meta(opt: Described, prefix: str = DCP_PREFIX, witness: Mapping[str,
         meta[WITNESS_KEY] = dict(witness)
     encode = _SharedTensors()
     text = json.dumps(meta, default=encode)
-    if encode.devices:  # beside the tensors, not in them: an older loader takes them and ignores the key
-        text = json.dumps({**json.loads(text), TENSOR_DEVICES_KEY: encode.devices})
+    numpy_types = [{k: t for k, v in g.items() if (t := _numpy_type(v)) is not None} for g in meta["param_groups"]]
+    beside = {**({TENSOR_DEVICES_KEY: encode.devices} if encode.devices else {}),
+              **({NUMPY_TYPES_KEY: numpy_types} if any(numpy_types) else {})}
+    if beside:  # beside the values, not in them: an older loader takes them and ignores the keys
+        text = json.dumps({**json.loads(text), **beside})
     return {meta_key(opt, prefix): text}
 
 
@@ -1891,6 +1873,74 @@ class _SharedTensors:
         return out
 
 
+# the sharded metadata's record of each group's NumPy hyper-parameters' types (`_numpy_type`), by
+# group, beside the numbers themselves (which a loader that knows no record takes as they are)
+NUMPY_TYPES_KEY = "numpy_types"
+
+
+def _numpy_type(value: Any) -> Any:
+    """The record of a NumPy hyper-parameter's type: its dtype's name (`"float32"`) for a NumPy
+    scalar, `"ndarray:<dtype>"` for a 0-d array (as torch's own state_dict round trip keeps it), a
+    list of records (None for a plain element) for a tuple or list holding one (AdamW's `betas`);
+    None where there is no NumPy value."""
+    if isinstance(value, (tuple, list)):
+        inner = [_numpy_type(v) for v in value]
+        return inner if any(t is not None for t in inner) else None
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == () and hasattr(value, "dtype"):
+        return f"ndarray:{value.dtype.name}" if type(value).__name__ == "ndarray" else value.dtype.name
+    return None
+
+
+def _numpy_again(value: Any, record: Any, where: str) -> Any:
+    """`value` (a number, or a list of them, as JSON gives it) of the NumPy type `record` names
+    (`_numpy_type`); exactly the number saved, else one CheckpointError (a record that does not
+    fit its number: an edited file)."""
+    if record is None:
+        return value
+    if isinstance(record, list):
+        if not isinstance(value, (list, tuple)) or len(value) != len(record):
+            raise CheckpointError(f"the sharded checkpoint's NumPy record for {where} does not fit its value {value!r}")
+        return type(value)(_numpy_again(v, r, where) for v, r in zip(value, record))
+    import numpy
+
+    array, _, name = str(record).rpartition(":")
+    try:
+        dtype = numpy.dtype(name)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "biuf" or array not in ("", "ndarray") or \
+            isinstance(value, bool) != (dtype.kind == "b") or not isinstance(value, (bool, int, float)):
+        raise CheckpointError(f"the sharded checkpoint records {where} as NumPy {record!r}, "
+                              f"which its value {value!r} is not")
+    with warnings.catch_warnings(), numpy.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        try:
+            made = numpy.array(value, dtype=dtype)
+        except (OverflowError, ValueError):
+            made = None
+    if made is None or made.item() != value:
+        raise CheckpointError(f"the sharded checkpoint records {where} as NumPy {record!r}, "
+                              f"which its value {value!r} is not")
+    return made if array else made[()]
+
+
+def _numpy_types_again(meta: Any) -> None:
+    """The sharded metadata's groups' NumPy hyper-parameters of the type saved (`NUMPY_TYPES_KEY`),
+    in place; a save that recorded none (before 2026-12-03) keeps the plain numbers."""
+    if not isinstance(meta, dict) or NUMPY_TYPES_KEY not in meta:
+        return
+    records, groups = meta[NUMPY_TYPES_KEY], meta.get("param_groups")
+    if not isinstance(records, list) or not isinstance(groups, list) or len(records) != len(groups) or \
+            not all(isinstance(r, dict) and isinstance(g, dict) for r, g in zip(records, groups)):
+        raise CheckpointError("the sharded checkpoint's NumPy records do not match its param_groups")
+    for i, (record, group) in enumerate(zip(records, groups)):
+        for key, kind in record.items():
+            if key not in group:
+                raise CheckpointError(f"the sharded checkpoint records param_groups[{i}][{key!r}] as NumPy, "
+                                      "which it does not hold")
+            group[key] = _numpy_again(group[key], kind, f"param_groups[{i}][{key!r}]")
+
+
 def saved_tensor_device(saved_type: str | None, own: torch.device) -> torch.device:
     """Where a tensor hyper-parameter of the sharded form is read to: this rank's device (`own`,
     the parameters') where it was saved from one of that type (a CUDA save onto this rank's GPU);
@@ -1919,7 +1969,9 @@ def json_load(text: str, device_of: Callable[[str | None], torch.device] | None 
             made[ref] = torch.tensor(obj[TENSOR_VALUE_KEY], dtype=getattr(torch, obj["dtype"]),
                                      device=device).reshape(obj["shape"])
         return made[ref]
-    return json.loads(text, object_hook=tensor)
+    out = json.loads(text, object_hook=tensor)
+    _numpy_types_again(out)
+    return out
 
 
 def _onto_held_devices(groups: Sequence[Mapping[str, Any]], values: list[dict[str, Any]]) -> None:

@@ -171,8 +171,8 @@ def test_numpy_betas_step_bit_for_bit_as_torch_adamw(kind):
 
 def test_numpy_betas_resume_bit_for_bit_from_the_sharded_form(one_rank, tmp_path):
     """np.float32 betas (stepped in float32 arithmetic, as torch's AdamW steps them): the sharded
-    form keeps their numbers (JSON), and a load into a group holding NumPy betas makes them that
-    NumPy type again where exact: the resumed step is the uninterrupted one, bit for bit. Before
+    form keeps their numbers (JSON) and their NumPy type (its record), and the load makes them that
+    NumPy type again: the resumed step is the uninterrupted one, bit for bit. Before
     (with the betas passed to the step as they are): resumed as Python floats, another rounding."""
     import numpy as np
     import torch.distributed.checkpoint as dcp
@@ -196,6 +196,80 @@ def test_numpy_betas_resume_bit_for_bit_from_the_sharded_form(one_rank, tmp_path
     assert [type(b) for b in resumed.param_groups[0]["betas"]] == [np.float32, np.float32]
     _step(again, [resumed], tokens)
     assert _same(model, again)
+
+
+@pytest.mark.parametrize("case", ["numpy saved, floats live", "floats saved, numpy live", "0-d array lr",
+                                  "float saved, float16 live", "float saved, int64 live"])
+def test_numpy_hyper_parameters_come_back_as_saved_from_the_sharded_form(one_rank, tmp_path, case):
+    """The sharded form records each NumPy hyper-parameter's type (its dtype name; a 0-d array as
+    a 0-d array, as torch's own state_dict round trip keeps it) and the load restores what was
+    saved, whatever the live group holds: np.float32 betas saved resume bit for bit in an optimizer
+    built with float betas; floats saved stay floats. Before: the type was guessed from the live
+    group (value-dependent: 0.5 became np.float32, 0.999 stayed a float; np.float32 betas saved came
+    back floats, another rounding), a 0-d array lr crashed every load (TypeError), a live np.int64
+    or np.float16 overflowed (OverflowError, an overflow warning)."""
+    import warnings
+
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    tokens = fixed_batch(256, 2, 8, seed=3)
+    saved_kw, live_kw = {
+        "numpy saved, floats live": ({"betas": (np.float32(0.9), np.float32(0.999))}, {}),
+        "floats saved, numpy live": ({"betas": (0.5, 0.999)}, {"betas": (np.float32(0.9), np.float32(0.99))}),
+        "0-d array lr": ({"lr": np.array(0.01)}, {"lr": np.array(0.02)}),
+        "float saved, float16 live": ({"weight_decay": 1e5}, {"weight_decay": np.float16(0.1)}),
+        "float saved, int64 live": ({"weight_decay": 1e20}, {"weight_decay": np.int64(0)}),
+    }[case]
+
+    def built(seed: int, kw):
+        model = TinyQwen3("tiny", seed=seed)
+        return model, DistributedOptimizer([{"params": list(model.named_parameters()), **kw}],
+                                           model.spec(), "adamw", overlap_param_gather=False)
+
+    model, opt = built(0, saved_kw)
+    _step(model, [opt], tokens)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    dcp.save(opt.sharded_state_dict(), checkpoint_id=tmp_path)
+    again, resumed = built(1, live_kw)
+    again.load_state_dict(weights)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        resumed.load_sharded_state_dict(tmp_path)
+    for key, value in saved_kw.items():
+        got = resumed.param_groups[-1][key]
+        pairs = list(zip(value, got)) if isinstance(value, tuple) else [(value, got)]
+        assert type(got) is type(value)
+        for v, g in pairs:
+            assert type(g) is type(v) and g == v and getattr(g, "dtype", None) == getattr(v, "dtype", None)
+    if case == "numpy saved, floats live":  # the resumed step is the uninterrupted one
+        _step(model, [opt], tokens)
+        _step(again, [resumed], tokens)
+        assert _same(model, again)
+
+
+def test_the_sharded_metadata_numpy_record_is_the_only_source_of_numpy_types():
+    """`json_load` of the sharded metadata: a save without the NumPy record (before 2026-12-03)
+    gives the plain numbers; a record gives that type (a 0-d array as one); a record its number
+    does not fit (an edited file: a float recorded int64, 1e20 as int64) is one CheckpointError."""
+    import json
+
+    import numpy as np
+
+    from canzona.errors import CheckpointError
+    from canzona.runtime.checkpoint import NUMPY_TYPES_KEY, json_load
+
+    groups = [{"lr": 0.01, "betas": [float(np.float32(0.9)), 0.999]}]
+    old = json_load(json.dumps({"param_groups": groups}))
+    assert old["param_groups"] == groups and type(old["param_groups"][0]["lr"]) is float
+    got = json_load(json.dumps({"param_groups": groups,
+                                NUMPY_TYPES_KEY: [{"lr": "ndarray:float64", "betas": ["float32", None]}]}))
+    lr, (b1, b2) = got["param_groups"][0]["lr"], got["param_groups"][0]["betas"]
+    assert type(lr) is np.ndarray and lr.shape == () and lr == 0.01
+    assert type(b1) is np.float32 and b1 == np.float32(0.9) and type(b2) is float
+    for record, value in (("int64", 0.5), ("int64", 1e20), ("float16", 1e5), ("object", 1.0), ("float32", 0.1)):
+        with pytest.raises(CheckpointError, match="NumPy"):
+            json_load(json.dumps({"param_groups": [{"x": value}], NUMPY_TYPES_KEY: [{"x": record}]}))
 
 
 def test_tensor_betas_are_cast_once_per_group_and_step_bit_for_bit_as_torch_adamw(one_rank, monkeypatch):
