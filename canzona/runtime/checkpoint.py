@@ -1670,7 +1670,7 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
     # read by each rank, failing on every rank alike: a rank that cannot read it (a folder on
     # node-local disk) would otherwise raise alone, its peers waiting in the next collective
     metadata: list[Any] = []
-    own.together(lambda: metadata.append(reader.read_metadata()))
+    own.together(lambda: metadata.append(_pieces_fit(opt, prefix, reader.read_metadata())))
     entries = metadata[0].state_dict_metadata
 
     def placeholder(key: str) -> Any:
@@ -1739,6 +1739,33 @@ def read_sharded(opt: Described, checkpoint_id: Any, prefix: str, hosted: list[s
     own = local_tensor(next(iter(opt.params.values()))).device
     meta = json_load(wanted[meta_entry], functools.partial(saved_tensor_device, own=own))
     return meta, state, {n for n, f in saved_fields.items() if stepped(f)}
+
+
+def _pieces_fit(opt: Described, prefix: str, metadata: Any) -> Any:
+    """`metadata`, each of its pieces of a parameter of this model (`<field>@t.T:offset`) checked to
+    lie inside that parameter's flat shard at TP size T (a stack saved under its own name: the
+    stack's matrices) before any is allocated: a piece claiming more (a crafted entry, which a
+    stream-transformed one is not held to by its stored bytes) is one CheckpointError."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stacks = {s.name: s for s in opt.spec.stacks}
+    for key, m in metadata.state_dict_metadata.items():
+        for kind in ("matrix", "adamw"):
+            head = f"{prefix}/{kind}/"
+            if not key.startswith(head) or not isinstance(m, TensorStorageMetadata) or "@" not in key[len(head):]:
+                continue
+            name, rest = key[len(head):].rsplit("/", 1)
+            try:
+                _, _, tp, offset = _parse_piece(rest)
+                bound = math.prod(opt.spec.param(name).local_shape(tp)) if name not in stacks else \
+                    len(stacked_matrices(stacks[name])) * math.prod(stacks[name].matrix_shape)
+            except (ValueError, SpecError):
+                continue  # not a piece of this model's: the checks after the read name it
+            if offset + math.prod(m.size) > bound:
+                raise CheckpointError(f"optimizer state not loaded, nothing changed: the checkpoint's entry {key!r} "
+                                      f"claims {list(m.size)} at offset {offset}, past its parameter's {bound} "
+                                      "elements (a damaged or crafted .metadata)")
+    return metadata
 
 
 class _Extent(NamedTuple):

@@ -469,7 +469,8 @@ def _verify_together(ranks: Ranks | OwnRanks, folder: Path, expect: Mapping[str,
 
 def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None = None, *,
                     process_group: Any = None, comms: Sequence[Comm | None] | None = None,
-                    timeout_s: float | None = None, call: str = "") -> SafeFileSystemReader:
+                    timeout_s: float | None = None, call: str = "",
+                    _extension_registry: Any = None) -> SafeFileSystemReader:
     """Collective (over `process_group`, the default group when None): a reader of `folder`, checked
     against its manifest first when it has one (`verify_checkpoint`, the ranks sharing the hashing:
     a damaged file or one from another save of the same size is one `CheckpointError` on every
@@ -489,7 +490,9 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     the hashing, as long as the checkpoint is large, waits within the process group's timeout.
     `comms` (an optimizer's own groups, `OwnRanks`): collective over the ranks they reach alone,
     in place of `process_group`, so that one replica or pipeline stage loads while the others do
-    anything else; the hashing waits within torch's default process group timeout."""
+    anything else; the hashing waits within torch's default process group timeout.
+    `_extension_registry` (as `dcp.FileSystemReader` takes it): the stream transforms a compressed
+    save's entries name (`FileSystemWriter(_extensions=[...])`), each of which must resolve there."""
     if comms is not None:
         ranks: Ranks | OwnRanks = OwnRanks(comms, timeout_s=dist.default_pg_timeout.total_seconds(), call=call)
         first: Ranks | OwnRanks = OwnRanks(comms, timeout_s=timeout_s, call=call)
@@ -498,7 +501,7 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
     # rank 0 decides for all: ranks that saw the folder differently would not meet in the hashing
     manifested = first.together(lambda: (Path(folder) / MANIFEST).exists(), rank0_only=True)[0]
     if not manifested:
-        reader = SafeFileSystemReader(folder)
+        reader = SafeFileSystemReader(folder, _extension_registry=_extension_registry)
         # every rank its own read: one error on all; and one save on all (a path that differs by
         # rank, node-local copies of two saves, would each pass, each rank loading its own)
         every = first.together(lambda: _check_plain(reader))
@@ -507,7 +510,8 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
             raise CheckpointError(f"{folder}: rank(s) {others} were given another checkpoint than rank 0's (their "
                                   f"{METADATA} differs): every rank must load the same save")
         return reader
-    return SafeFileSystemReader(folder, _verify_together(ranks, Path(folder), expect))
+    return SafeFileSystemReader(folder, _verify_together(ranks, Path(folder), expect),
+                                _extension_registry=_extension_registry)
 
 
 def _check_plain(reader: SafeFileSystemReader) -> str:
@@ -588,10 +592,15 @@ def _load_metadata(data: bytes, path: Path) -> Metadata:
     return metadata
 
 
-def _check_metadata(metadata: Metadata, path: Path, sizes: Mapping[str, int]) -> None:
+def _check_metadata(metadata: Metadata, path: Path, sizes: Mapping[str, int], registry: Any = None) -> None:
     """Every entry lies inside the checkpoint's files, and no tensor is larger than the bytes
     stored for it (a crafted size would otherwise allocate it), unless it is stored through a
-    stream transform (`FileSystemWriter(_extensions=[ZStandard()])`: its compressed length)."""
+    stream transform (`FileSystemWriter(_extensions=[ZStandard()])`: its compressed length) whose
+    every descriptor resolves in `registry` (the reader's ExtensionRegistry; torch's default one
+    when None): an unknown one ('bogus/1') is refused here, not exempt."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+
+    registry = ExtensionRegistry() if registry is None else registry
 
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"{path}: malformed DCP metadata, not loaded ({why})")
@@ -614,6 +623,13 @@ def _check_metadata(metadata: Metadata, path: Path, sizes: Mapping[str, int]) ->
                                         or not all(isinstance(d, str) for d in descriptors)):
             raise bad(f"entry {index.fqn!r} has malformed transform descriptors")
         if descriptors:
+            try:
+                registry.from_descriptor_list(descriptors)
+            except Exception:  # noqa: BLE001 - an unknown name, or a version its class refuses
+                unknown = next((d for d in descriptors if d.partition("/")[0] not in registry.extensions),
+                               descriptors[0])
+                raise bad(f"entry {index.fqn!r} is stored through an unknown stream transform {unknown!r}: "
+                          "pass its ExtensionRegistry as _extension_registry") from None
             transformed.add(index.fqn)
         stored[index.fqn] = stored.get(index.fqn, 0) + length
     for key, entry in entries.items():
@@ -683,6 +699,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def __init__(self, path: str | os.PathLike, manifest: Manifest | None = None, *,
                  _extension_registry: Any = None) -> None:
         super().__init__(path, _extension_registry=_extension_registry)
+        self._extension_registry = _extension_registry
         self.manifest = manifest
         self._checked: bytes | None = None  # the `.metadata` bytes read and checked, unpickled by read_metadata
 
@@ -709,7 +726,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 sizes = {name: e.size for name, e in self.manifest.files.items()}
             else:  # symlinks followed, as dcp.load reads them (snapshot_download's layout, `cp -rs`)
                 sizes = _regular_file_sizes(folder)
-            _check_metadata(_load_metadata(data, path), path, sizes)
+            _check_metadata(_load_metadata(data, path), path, sizes, self._extension_registry)
             self._checked = data
         return self._checked
 

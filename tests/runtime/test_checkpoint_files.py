@@ -678,10 +678,78 @@ def test_a_compressed_plain_dcp_folder_loads_through_the_safe_reader(tmp_path):
     dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[zlib_ext()]), no_dist=True)
     stored = pickle.loads((tmp_path / ".metadata").read_bytes()).storage_data
     assert sum(s.length for s in stored.values()) < 4096 and all(s.transform_descriptors for s in stored.values())
-    verified_reader(tmp_path)  # checked: no refusal
+    verified_reader(tmp_path, _extension_registry=registry)  # checked: no refusal
     loaded = {"w": torch.ones(4096), "note": ""}
     dcp.load(loaded, storage_reader=SafeFileSystemReader(tmp_path, _extension_registry=registry), no_dist=True)
     assert torch.equal(loaded["w"], saved["w"]) and loaded["note"] == "v1"
+
+
+def test_an_unknown_transform_descriptor_is_refused_before_anything_is_allocated(tmp_path):
+    """A transformed entry is exempt from the byte bound only where every descriptor resolves in
+    the reader's ExtensionRegistry (`verified_reader(_extension_registry=...)`): an unknown one
+    ('bogus/1', or the zlib one without its registry) is one CheckpointError line at the check.
+    Before: any non-empty descriptor list skipped the bound, and a crafted entry claiming 2**40
+    floats was accepted (then allocated by a load's placeholder)."""
+    import dataclasses
+
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    crafted = tmp_path / "crafted"
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=crafted, no_dist=True)
+    md = pickle.loads((crafted / ".metadata").read_bytes())
+    big = torch.Size([2**40])
+    md.state_dict_metadata["w"].size = big
+    md.state_dict_metadata["w"].chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=big)]
+    md.storage_data = {k: dataclasses.replace(s, transform_descriptors=["bogus/1"]) for k, s in md.storage_data.items()}
+    (crafted / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="unknown stream transform 'bogus/1'") as refused:
+        verified_reader(crafted)
+    assert "\n" not in str(refused.value)
+    zipped = tmp_path / "zipped"
+    zlib_ext = _zlib_extension()
+    dcp.save({"w": torch.zeros(64)}, storage_writer=dcp.FileSystemWriter(zipped, _extensions=[zlib_ext()]), no_dist=True)
+    with pytest.raises(CheckpointError, match="unknown stream transform 'test.zlib/1'"):
+        verified_reader(zipped)
+    registry = ExtensionRegistry()
+    registry.register(zlib_ext)
+    loaded = {"w": torch.ones(64)}
+    dcp.load(loaded, storage_reader=verified_reader(zipped, _extension_registry=registry), no_dist=True)
+    assert torch.equal(loaded["w"], torch.zeros(64))
+
+
+def test_a_transformed_piece_claiming_more_than_its_parameter_is_refused_before_allocating(one_rank, tmp_path):
+    """A compressed sharded save (its pieces not held to their stored bytes) edited so one AdamW
+    piece claims 2**40 elements: load_sharded_state_dict refuses it, one CheckpointError naming
+    the entry, before allocating its placeholder. Before: torch.empty of 2**40 floats (4 TiB)."""
+    from torch.distributed.checkpoint._extension import ExtensionRegistry
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.checkpoint_files import verified_reader
+    from reference.data import fixed_batch
+    from reference.tiny_model import TinyQwen3
+
+    model = TinyQwen3("tiny", seed=0)
+    opt = DistributedOptimizer(model.named_parameters(), model.spec(), "adamw", overlap_param_gather=False)
+    opt.zero_grad()
+    model.loss(fixed_batch(256, 2, 8, seed=3)).backward()
+    opt.step()
+    zlib_ext = _zlib_extension()
+    dcp.save(opt.sharded_state_dict(), storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[zlib_ext()]))
+    md = pickle.loads((tmp_path / ".metadata").read_bytes())
+    key = next(k for k, m in md.state_dict_metadata.items() if "/adamw/" in k and "exp_avg@" in k)
+    big = torch.Size([2**40])
+    md.state_dict_metadata[key].size = big
+    md.state_dict_metadata[key].chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=big)]
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    registry = ExtensionRegistry()
+    registry.register(zlib_ext)
+    with pytest.raises(CheckpointError, match=f"entry '{re.escape(key)}' claims \\[{2**40}\\]") as refused:
+        opt.load_sharded_state_dict(verified_reader(tmp_path, _extension_registry=registry))
+    assert "\n" not in str(refused.value)
 
 
 def test_a_rank_local_dcp_save_is_named_by_the_verified_reader(tmp_path):
