@@ -664,9 +664,23 @@ def _regular_file_sizes(folder: Path) -> dict[str, int]:
     return sizes
 
 
+def _numpy_scalar_globals() -> list[Any]:
+    """NumPy's scalar reconstructor and its dtype classes (a NumPy scalar hyper-parameter in a
+    plain `dcp.save(opt.state_dict())`: np.float32 betas, an np.float64 lr), and nothing else of
+    NumPy's (no arrays); none where NumPy is not installed."""
+    try:
+        import numpy
+    except ImportError:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core
+    kinds = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+             "float16", "float32", "float64", "longdouble")
+    return [core.multiarray.scalar, numpy.dtype, *dict.fromkeys(type(numpy.dtype(k)) for k in kinds)]
+
+
 class _PlainDataPlanner:
     """A load planner's proxy for `SafeFileSystemReader.read_data`: a non-tensor entry is loaded
-    with `weights_only` (plain data and tensors only) and handed to the planner re-serialised from
+    with `weights_only` (plain data and tensors only, and NumPy scalars) and handed to the planner re-serialised from
     that, so the planner's own unrestricted `torch.load` never sees the checkpoint's bytes."""
 
     def __init__(self, planner: Any, folder: Path) -> None:
@@ -675,7 +689,8 @@ class _PlainDataPlanner:
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         try:
-            plain = torch.load(value, weights_only=True)
+            with torch.serialization.safe_globals(_numpy_scalar_globals()):
+                plain = torch.load(value, weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever the pickle holds, it is refused
             raise CheckpointError(f"{self._folder}: entry {read_item.dest_index.fqn!r} is not plain data, "
                                   f"not loaded ({first_line(e)})") from None
@@ -692,7 +707,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     """`dcp.FileSystemReader` that runs no code from the checkpoint: `.metadata` is unpickled with
     an unpickler that knows only DCP's metadata classes and checked against the files; non-tensor
     entries must be plain data (str, numbers, lists, dicts, tensors: what `torch.load(...,
-    weights_only=True)` reads). With `manifest` (from `verify_checkpoint`), the `.metadata` bytes it
+    weights_only=True)` reads; NumPy scalars too). With `manifest` (from `verify_checkpoint`), the `.metadata` bytes it
     unpickles are checked against the manifest's sha256 first. Rank-local metadata (DCP saves
     without collectives) is not read."""
 

@@ -752,6 +752,28 @@ def test_a_transformed_piece_claiming_more_than_its_parameter_is_refused_before_
     assert "\n" not in str(refused.value)
 
 
+def test_numpy_hyper_parameters_in_a_plain_dcp_folder_load_through_the_safe_reader(tmp_path):
+    """A plain `dcp.save(opt.state_dict())` of groups holding NumPy scalars (np.float32 betas, an
+    np.float64 lr): the safe reader allows NumPy's scalar reconstructor and dtypes (only those)
+    and gives them back as saved, as plain `dcp.load` does; anything else stays refused. Before:
+    refused, 'not plain data (Weights only load failed ...)'."""
+    import numpy as np
+
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    groups = [{"betas": (np.float32(0.9), np.float32(0.999)), "lr": np.float64(0.01), "steps": np.int64(3)}]
+    dcp.save({"optim": {"param_groups": groups}}, checkpoint_id=tmp_path, no_dist=True)
+    loaded = {"optim": {"param_groups": [{"betas": (0.0, 0.0), "lr": 0.0, "steps": 0}]}}
+    dcp.load(loaded, storage_reader=verified_reader(tmp_path), no_dist=True)
+    got = loaded["optim"]["param_groups"][0]
+    assert [type(b) for b in got["betas"]] == [np.float32, np.float32] and got["betas"] == groups[0]["betas"]
+    assert type(got["lr"]) is np.float64 and got["lr"] == 0.01 and type(got["steps"]) is np.int64
+    other = tmp_path / "other"
+    dcp.save({"x": {"f": __import__("fractions").Fraction(1, 3)}}, checkpoint_id=other, no_dist=True)
+    with pytest.raises(dcp.CheckpointException, match="entry 'x.f' is not plain data"):
+        dcp.load({"x": {"f": 0}}, storage_reader=verified_reader(other), no_dist=True)
+
+
 def test_a_rank_local_dcp_save_is_named_by_the_verified_reader(tmp_path):
     """`dcp.save(..., use_collectives=False)` writes each rank's `__<rank>.metadata`, no `.metadata`:
     the refusal names the rank-local metadata and a save with collectives. Before: 'a save killed
