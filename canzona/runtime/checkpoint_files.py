@@ -703,6 +703,15 @@ class _PlainDataPlanner:
         return getattr(self._planner, name)
 
 
+def _stat_of(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime in ns) of `path`; None where it cannot be read."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
     """`dcp.FileSystemReader` that runs no code from the checkpoint: `.metadata` is unpickled with
     an unpickler that knows only DCP's metadata classes and checked against the files; non-tensor
@@ -717,9 +726,13 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         self._extension_registry = _extension_registry
         self.manifest = manifest
         self._checked: bytes | None = None  # the `.metadata` bytes read and checked, unpickled by read_metadata
+        self._checked_stat: tuple[int, int, int] | None = None  # (inode, size, mtime) of the file they came from
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id and Path(checkpoint_id) != Path(self.path):
+        # another folder, or this one saved over since (a `.metadata` of another inode, size or
+        # mtime): read and check it again, never the old bytes paired with the new files
+        if checkpoint_id and (Path(checkpoint_id) != Path(self.path)
+                              or _stat_of(Path(checkpoint_id) / METADATA) != self._checked_stat):
             self._checked = None
         super().reset(checkpoint_id)
 
@@ -731,6 +744,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             folder = Path(self.path)
             path = folder / METADATA
             try:
+                before = _stat_of(path)
                 data = path.read_bytes()
             except OSError as e:
                 raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
@@ -742,7 +756,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
             else:  # symlinks followed, as dcp.load reads them (snapshot_download's layout, `cp -rs`)
                 sizes = _regular_file_sizes(folder)
             _check_metadata(_load_metadata(data, path), path, sizes, self._extension_registry)
-            self._checked = data
+            self._checked, self._checked_stat = data, before
         return self._checked
 
     def read_metadata(self) -> Metadata:  # no **kwargs: DCP then never falls back to rank-local files

@@ -774,6 +774,24 @@ def test_numpy_hyper_parameters_in_a_plain_dcp_folder_load_through_the_safe_read
         dcp.load({"x": {"f": 0}}, storage_reader=verified_reader(other), no_dist=True)
 
 
+def test_a_reset_onto_a_folder_rewritten_in_place_reads_its_new_metadata(tmp_path):
+    """`reset(checkpoint_id)` of a safe reader whose folder was saved over since it read it (a
+    `dcp.load(checkpoint_id=..., storage_reader=reader)` after a new save there): the new
+    `.metadata` is read and checked, never the old one paired with the new files; unchanged,
+    the bytes checked stay. Before: the cached bytes of the same path were kept."""
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=tmp_path, no_dist=True)
+    reader = verified_reader(tmp_path)
+    checked = reader.checked_metadata_bytes()
+    reader.reset(tmp_path)
+    assert reader.checked_metadata_bytes() is checked
+    dcp.save({"w": torch.arange(8.0)}, checkpoint_id=tmp_path, no_dist=True)
+    loaded = {"w": torch.zeros(8)}
+    dcp.load(loaded, checkpoint_id=tmp_path, storage_reader=reader, no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(8.0))
+
+
 def test_a_rank_local_dcp_save_is_named_by_the_verified_reader(tmp_path):
     """`dcp.save(..., use_collectives=False)` writes each rank's `__<rank>.metadata`, no `.metadata`:
     the refusal names the rank-local metadata and a save with collectives. Before: 'a save killed
