@@ -506,9 +506,13 @@ def verified_reader(folder: str | os.PathLike, expect: Mapping[str, Any] | None 
         # rank, node-local copies of two saves, would each pass, each rank loading its own)
         every = first.together(lambda: _check_plain(reader))
         others = [r for r, digest in enumerate(every) if digest != every[0]]
+        changing = "or the folder changed while being read (a save in progress)"
+        if others and len(others) > 1 and len(set(every[1:])) == 1:  # rank 0 alone differs from all the others
+            raise CheckpointError(f"{folder}: rank 0 was given another checkpoint than rank(s) {others} (its "
+                                  f"{METADATA} differs from theirs), {changing}: every rank must load the same save")
         if others:
             raise CheckpointError(f"{folder}: rank(s) {others} were given another checkpoint than rank 0's (their "
-                                  f"{METADATA} differs): every rank must load the same save")
+                                  f"{METADATA} differs), {changing}: every rank must load the same save")
         return reader
     return SafeFileSystemReader(folder, _verify_together(ranks, Path(folder), expect),
                                 _extension_registry=_extension_registry)
@@ -527,8 +531,9 @@ def _check_plain(reader: SafeFileSystemReader) -> str:
         local = sorted(p.name for p in folder.glob(f"__*{METADATA}"))
         if local:
             raise CheckpointError(f"{reader.path}: no {METADATA}, only rank-local metadata ({', '.join(local[:3])}"
-                                  f"{', ...' if len(local) > 3 else ''}: a dcp.save(..., use_collectives=False)), "
-                                  "not loaded: save it with collectives (dcp.save's default)")
+                                  f"{', ...' if len(local) > 3 else ''}: use_collectives=False, or leftovers while a "
+                                  "new save is still being written), not loaded: save it with collectives "
+                                  "(dcp.save's default), or load it once the save has finished")
         raise CheckpointError(f"{reader.path}: no {METADATA}, not loaded: not a finished DCP checkpoint "
                               "(a save into this folder killed or still writing), or no checkpoint")
     return hashlib.sha256(reader.checked_metadata_bytes()).hexdigest()

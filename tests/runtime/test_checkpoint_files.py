@@ -792,6 +792,36 @@ def test_a_reset_onto_a_folder_rewritten_in_place_reads_its_new_metadata(tmp_pat
     assert torch.equal(loaded["w"], torch.arange(8.0))
 
 
+def test_plain_folders_refused_name_rank_0_where_it_alone_differs(tmp_path, monkeypatch):
+    """Ranks comparing a plain folder's `.metadata`: where rank 0 alone differs from every other
+    rank (3 ranks, say), the refusal names rank 0, not all the others; either refusal adds that
+    the folder may have changed while being read (a save in progress). Before: 'rank(s) [1, 2]
+    were given another checkpoint than rank 0's', and no word of a save in progress."""
+    from canzona.runtime.checkpoint_files import verified_reader
+
+    dcp.save({"w": torch.zeros(4)}, checkpoint_id=tmp_path, no_dist=True)
+
+    class Three:
+        def __init__(self, *args, **kwargs) -> None:
+            self.rank, self.world = 0, 3
+
+        def together(self, step, *, rank0_only=False):
+            mine = step()
+            return [mine] * 3 if rank0_only else [mine, *(mine if d == "same" else d for d in digests)]
+
+    monkeypatch.setattr(checkpoint_files, "Ranks", Three)
+    digests = ["other", "other"]
+    with pytest.raises(CheckpointError) as refused:
+        verified_reader(tmp_path)
+    text = str(refused.value)
+    assert "rank 0 was given another checkpoint than rank(s) [1, 2]" in text and "a save in progress" in text, text
+    digests = ["same", "other"]
+    with pytest.raises(CheckpointError) as refused:
+        verified_reader(tmp_path)
+    text = str(refused.value)
+    assert "rank(s) [2] were given another checkpoint than rank 0's" in text and "a save in progress" in text, text
+
+
 def test_a_rank_local_dcp_save_is_named_by_the_verified_reader(tmp_path):
     """`dcp.save(..., use_collectives=False)` writes each rank's `__<rank>.metadata`, no `.metadata`:
     the refusal names the rank-local metadata and a save with collectives. Before: 'a save killed
@@ -806,4 +836,5 @@ def test_a_rank_local_dcp_save_is_named_by_the_verified_reader(tmp_path):
         verified_reader(tmp_path)
     text = str(refused.value)
     assert "rank-local metadata (__0.metadata" in text and "use_collectives=False" in text, text
+    assert "leftovers while a new save is still being written" in text, text
     assert "killed" not in text and "\n" not in text, text
