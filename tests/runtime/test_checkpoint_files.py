@@ -728,19 +728,18 @@ def test_a_transformed_piece_claiming_more_than_its_parameter_is_refused_before_
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.checkpoint import DCP_PREFIX, piece_key
     from canzona.runtime.checkpoint_files import verified_reader
-    from reference.data import fixed_batch
     from reference.tiny_model import TinyQwen3
 
     model = TinyQwen3("tiny", seed=0)
     opt = DistributedOptimizer(model.named_parameters(), model.spec(), "adamw", overlap_param_gather=False)
-    opt.zero_grad()
-    model.loss(fixed_batch(256, 2, 8, seed=3)).backward()
-    opt.step()
     zlib_ext = _zlib_extension()
-    dcp.save(opt.sharded_state_dict(), storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[zlib_ext()]))
+    # the metadata and one AdamW piece (as a stepped save holds it): the refusal comes first
+    key = piece_key(DCP_PREFIX, "adamw", "model.norm.weight", "exp_avg", 0)
+    saved = {**opt.sharded_state_dict(), key: torch.zeros(4)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(tmp_path, _extensions=[zlib_ext()]))
     md = pickle.loads((tmp_path / ".metadata").read_bytes())
-    key = next(k for k, m in md.state_dict_metadata.items() if "/adamw/" in k and "exp_avg@" in k)
     big = torch.Size([2**40])
     md.state_dict_metadata[key].size = big
     md.state_dict_metadata[key].chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=big)]
