@@ -2249,9 +2249,9 @@ def test_a_state_dict_in_bf16_is_cast_to_the_state_dtype_as_torch_casts(runs):
 @pytest.mark.parametrize("kind", ["step", "plain"])
 def test_sharded_folders_of_two_saves_across_the_ranks_are_one_error_nothing_loaded(runs, kind):
     """Before: each rank loaded its own pieces of its own folder, silently mixing two saves. With
-    manifests the verification refuses them (their manifests differ), without it the optimizer's
-    metadata entries differ (the weights' witness)."""
-    needle = "their manifest differs" if kind == "step" else "their optimizer metadata differ"
+    manifests the verification refuses them (their manifests differ), without it the folders'
+    .metadata files differ (the plain folder's check, before any entry is read)."""
+    needle = "their manifest differs" if kind == "step" else "their .metadata differs"
     for out in runs["two saves sharded"]:
         got = out[kind]
         assert got["error"] == "CheckpointError" and needle in got["message"], got
