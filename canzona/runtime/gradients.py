@@ -262,7 +262,7 @@ class GradientSync:
         # (`_end_kept`): the next backward is reduced at the check once every rank agrees that it
         # ended (`_agree_ended`). Launched from backward instead, its reductions would meet a peer
         # that ended it with model.zero_grad() in that agreement's collective (a hang)
-        self._forget(deferred=self.kept_line is not None)
+        self._forget(deferred=self.kept_line is not None or self._deferred)
 
     def _forget(self, deferred: bool) -> None:
         """This step's gradients dropped (`zero_grad`, `_end_kept`): no states, no progress, no

@@ -215,7 +215,9 @@ def kept_refusal_job(rank: int, world: int, zero: str) -> dict:
     backward of the next batch and step(): on both ranks, that step trains as a run that skipped the
     refused batch (`reference`, bit for bit), or, zeroed on rank 0 alone, is one error on both ranks,
     nothing updated, and opt.zero_grad() and a sound step go on. "mixed": opt.zero_grad() on rank 0,
-    model.zero_grad() on rank 1: both end the refused step alike."""
+    model.zero_grad() on rank 1: both end the refused step alike. "twice": model.zero_grad(set_to_none=False)
+    then opt.zero_grad() on rank 0, opt.zero_grad() on rank 1: a second zeroing after the first ended
+    the kept step leaves it ended (every rank reduces at the check alike)."""
     model = build_model(BASE)
     opt = _optimizer(model)
     batches = _batches(rank, world)
@@ -228,6 +230,10 @@ def kept_refusal_job(rank: int, world: int, zero: str) -> dict:
     out = {"refused": _outcome(opt.step)}
     opt.param_groups[0]["lr"] = lr
     if zero == "mixed" and rank == 0:
+        opt.zero_grad()
+    elif zero == "twice":
+        if rank == 0:
+            model.zero_grad(set_to_none=False)
         opt.zero_grad()
     elif zero == "part":  # one submodule's gradients dropped, the rest kept: refused on both ranks
         model.lm_head.zero_grad()
@@ -1393,7 +1399,8 @@ JOBS = {
     "second optimizer": ("second_optimizer_job", ()),
     **{f"one rank {how}": ("one_rank_mistake_job", (how,)) for how in ONE_RANK_MISTAKES},
     "zeroed taken as zero": ("zeroed_taken_as_zero_job", ()),
-    **{f"kept refusal {z}": ("kept_refusal_job", (z,)) for z in ("model", "model-false", "rank 0", "mixed", "part")},
+    **{f"kept refusal {z}": ("kept_refusal_job", (z,)) for z in ("model", "model-false", "rank 0", "mixed", "part",
+                                                                          "twice")},
     # last: compiling clears dynamo's caches and recompiles, which the jobs above need not see
     "compiled fullgraph": ("compiled_job", (True,)),
     "compiled fullgraph no overlap": ("compiled_job", (False,)),
@@ -1454,8 +1461,10 @@ def test_model_zero_grad_after_a_refused_and_kept_step_drops_it_alike_on_every_r
     on. Before: refused again on both ranks ('set to None after this step's gradients went to the
     reduction' / 'cannot be zeroed in place'). opt.zero_grad() on one rank and model.zero_grad() on
     the other end it alike (before the review's fix: the first launched its reductions in backward,
-    the second waited in the agreement's collective, a timeout on both)."""
-    for zero in ("model", "model-false", "mixed"):
+    the second waited in the agreement's collective, a timeout on both); so do model.zero_grad(
+    set_to_none=False) then opt.zero_grad() on rank 0 and opt.zero_grad() on rank 1 ("twice"; before:
+    the second zeroing forgot that the kept step ended, the same timeout)."""
+    for zero in ("model", "model-false", "mixed", "twice"):
         for rank, out in enumerate(runs[f"kept refusal {zero}"]):
             assert "param_groups[0]['lr']" in out["refused"]["message"], (zero, rank, out)
             assert out["next"]["error"] is None and out["reference"], (zero, rank, out)
@@ -3251,6 +3260,29 @@ def test_a_step_after_a_kept_step_was_ended_refuses_what_a_fresh_step_refuses(on
     opt.zero_grad()
     _branchy_loss(model, 4).backward()
     opt.step()
+
+
+@pytest.mark.parametrize("first", ["model.zero_grad(set_to_none=False)", "opt.zero_grad()"])
+def test_a_second_zero_grad_after_a_kept_step_was_ended_leaves_it_ended(one_rank, first):
+    """A step refused and kept (a NaN norm), ended by `first`, then opt.zero_grad() again: the next
+    backward is still reduced at the check (`_deferred`), as every rank that ended the kept step
+    reduces it, and the step trains as a run that skipped the refused batch, bit for bit. Before: the
+    second zero_grad() forgot it (the backward launched its reductions while a peer that zeroed once
+    waited in the check's agreement: a collective timeout, spawned 'kept refusal twice')."""
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    for k in (0, 2):
+        _sound_step(reference, ropt, k)
+    _sound_step(model, opt, 0)
+    opt.zero_grad()
+    (_branchy_loss(model, 1) * math.nan).backward()
+    with pytest.raises(CanzonaError, match="global gradient norm is nan"):
+        opt.step()
+    (model.zero_grad if first.startswith("model") else opt.zero_grad)(set_to_none=False)
+    opt.zero_grad()
+    assert opt.grads._deferred
+    _branchy_loss(model, 2).backward()
+    opt.step()
+    assert compare(_params(model), _params(reference))["bit_identical"]
 
 
 @pytest.mark.parametrize("then", ["backward", "step() again"])
