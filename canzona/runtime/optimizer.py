@@ -757,11 +757,16 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
                     with contextlib.suppress(CanzonaError):
                         grads.abandon(str(e))
             else:
-                # kept for a retried step(); model.zero_grad() (either setting) on every rank ends
-                # that step instead, as optimizer.zero_grad() does (`GradientSync._end_kept`)
-                for grads in self._syncs():
-                    grads.kept_line = str(e)
+                self._keep(e)
             raise
+
+    def _keep(self, error: CanzonaError) -> None:
+        """A step refused without being broken (a disagreement, a NaN norm, a hyper-parameter that
+        fails validation), alike on every rank: its gradients are kept for a retried step();
+        model.zero_grad() (either setting) on every rank ends that step instead, as
+        optimizer.zero_grad() does (`GradientSync._end_kept`)."""
+        for grads in self._syncs():
+            grads.kept_line = str(error)
 
     def _check_step(self, max_norm: float | None) -> StepCheck:
         check = self._checked_gradients(max_norm)
@@ -980,7 +985,13 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         checkpoint.check_weights_at_step(self)  # after load_state_dict(): its weights, before anything changes
         inverse = handed_inverse_scale(self)
         check = self._prepare_step(self.max_grad_norm)
-        self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
+        try:
+            self._check_hyper_parameters()  # every hyper-parameter valid before anything changes
+        except CanzonaError as e:
+            # after the check (the hyper-parameters agreed on every rank): refused alike everywhere,
+            # the gradients kept as for a NaN norm (before: unmarked, model.zero_grad() then refused)
+            self._keep(e)
+            raise
         if check is self._amp.unscaled:  # GradScaler's unscale_ (through a wrapper) unscaled them already
             inverse = None
         # a scale of 1 unscales nothing (x * 1.0 is x, Inf and NaN too): the early updates stand
