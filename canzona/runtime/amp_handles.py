@@ -77,6 +77,12 @@ def scaler_argument(method: str) -> Any:
     return None if found is None else found[1]
 
 
+def scaler_stepping() -> tuple[torch.amp.GradScaler, Any] | None:
+    """The GradScaler whose `step` this call runs under (the nearest), with the object it was handed
+    to step; None where it runs under none."""
+    return _scaler_frame("step")
+
+
 def inverse_of(scale: Any) -> float:
     """The inverse of a GradScaler scale as GradScaler computes it (the reciprocal in double, then
     float32), so that the product is its `unscale_`'s."""

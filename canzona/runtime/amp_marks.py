@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 
 from canzona.errors import CanzonaError
+from canzona.runtime import amp_handles
 from canzona.runtime.grad_guard import AMP_AFTER_CLIP
 
 
@@ -42,11 +44,22 @@ class AmpMarks:
         """step() was refused (nothing updated) after GradScaler's unscale or inf check of this step:
         a skipped step, which GradScaler's `update()` counts as torch counts a step it skipped for an
         Inf: the scale backed off, its growth count restarted (before: counted as a step taken, the
-        scale grown). Alike on every rank (a refusal is)."""
+        scale grown). Alike on every rank (a refusal is).
+        GradScaler handed an object without `_step_supports_amp_scaling` (a user's proxy) takes its
+        unscale-then-step path, which reads `found_inf` itself before calling step(): a step() called
+        again once the cause was mended would be skipped unseen. Its state for that object is put
+        back to READY, so that the call again unscales (`unscale`: answered from the check already
+        unscaled, with fresh tensors GradScaler's update() then reads) and steps; not called again,
+        update() reads these, set."""
         self.before = self.before or []
         self.before += [f.clone() for f in self.found[len(self.before):]]
         for f in self.found:
             f.fill_(1.0)
+        stepping = amp_handles.scaler_stepping()
+        if stepping is not None and not getattr(stepping[1], "_step_supports_amp_scaling", False):
+            state = stepping[0]._per_optimizer_states.get(id(stepping[1]))
+            if state is not None and state.get("stage") is OptState.UNSCALED:
+                state["stage"] = OptState.READY
 
     def stepped(self) -> None:
         """step() ran (taken, or skipped for a non-finite norm): a refusal before it (a step() called

@@ -3173,30 +3173,32 @@ def test_under_fsdp2_the_optimizer_object_is_not_pickled_either(tmp_path):
             assert got["error"]["error"] == "CheckpointError" and got["bytes"] == b"mine::after", (kind, got)
 
 
-def _scaled_run(model, opt, refuse: str | None, bad: int = 3, steps: int = 7) -> list[tuple[float, int]]:
+def _scaled_run(model, opt, refuse: str | None, bad: int = 3, steps: int = 7, wrap=None) -> list[tuple[float, int]]:
     """GradScaler's loop (scale 16, growth every 2 steps) over `_Branchy`'s batches, `refuse` at step
     `bad`: "nan" (a NaN loss: torch's skipped step), "zeroed in place" (model.zero_grad(set_to_none=False)
     between unscale_ and scaler.step: a broken step), "lr" / "lr, step alone" (a NaN learning rate set
-    after unscale_ / with no unscale_: refused by step(), the gradients kept), "lr, retried" (the lr put
-    back and scaler.step called again: taken). The (scale, growth tracker) after each update()."""
+    after unscale_ / with no unscale_: refused by step(), the gradients kept), "lr, retried" / "lr, step
+    alone, retried" (the lr put back and scaler.step called again: taken). `wrap`: GradScaler handed
+    `wrap(opt)` in its place. The (scale, growth tracker) after each update()."""
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=2)
+    given = opt if wrap is None else wrap(opt)
     out = []
     for k in range(steps):
         opt.zero_grad()
         loss = _branchy_loss(model, k)
         scaler.scale(loss * math.nan if k == bad and refuse == "nan" else loss).backward()
-        if not (k == bad and refuse == "lr, step alone"):
-            scaler.unscale_(opt)
+        if not (k == bad and refuse is not None and refuse.startswith("lr, step alone")):
+            scaler.unscale_(given)
         if k == bad and refuse == "zeroed in place":
             model.zero_grad(set_to_none=False)
         if k == bad and refuse is not None and refuse.startswith("lr"):
             opt.param_groups[0]["lr"] = math.nan
         try:
-            scaler.step(opt)
+            scaler.step(given)
         except CanzonaError:
             opt.param_groups[0]["lr"] = 1e-3
-            if refuse == "lr, retried":
-                scaler.step(opt)
+            if refuse is not None and refuse.endswith("retried"):
+                scaler.step(given)
         scaler.update()
         out.append((scaler.get_scale(), int(scaler._growth_tracker)))
     return out
@@ -3214,6 +3216,24 @@ def test_a_step_refused_under_grad_scaler_is_a_skipped_step_for_its_update(one_r
     ropt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
     torch_said = _scaled_run(reference, ropt, None if refuse == "lr, retried" else "nan")
     assert _scaled_run(model, opt, refuse) == torch_said
+    assert compare(_params(model), _params(reference))["bit_identical"]
+
+
+@pytest.mark.parametrize("refuse", ["lr", "lr, step alone", "lr, retried", "lr, step alone, retried"])
+def test_a_step_refused_under_grad_scaler_through_a_proxy_is_skipped_or_retried_as_torch(one_rank, refuse):
+    """GradScaler handed a user's proxy that does not forward `_step_supports_amp_scaling` (its
+    unscale-then-step path: it reads found_inf itself before calling step()): a step() refused
+    (a NaN lr) is a skipped step for update(), and called again once the lr is put back it is taken:
+    scale, growth tracker and weights bit for bit as torch.optim.AdamW + GradScaler('cpu') with a NaN
+    loss there / with no refusal at all. Before: the refusal left found_inf set, so GradScaler skipped
+    the step called again without calling it (no weight changed, update() counted a skip)."""
+    from tests.runtime.amp_wrappers import Proxy
+
+    model, opt = _branchy_adamw()
+    reference = _Branchy()
+    ropt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01)
+    torch_said = _scaled_run(reference, ropt, None if refuse.endswith("retried") else "nan")
+    assert _scaled_run(model, opt, refuse, wrap=Proxy) == torch_said
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
