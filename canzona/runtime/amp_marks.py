@@ -7,10 +7,12 @@ need no reset (docs/design.md §8.3).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
@@ -57,8 +59,19 @@ class AmpMarks:
             f.fill_(1.0)
         stepping = amp_handles.scaler_stepping()
         if stepping is not None and not getattr(stepping[1], "_step_supports_amp_scaling", False):
-            state = stepping[0]._per_optimizer_states.get(id(stepping[1]))
-            if state is not None and state.get("stage") is OptState.UNSCALED:
+            states = getattr(stepping[0], "_per_optimizer_states", None)
+            state = states.get(id(stepping[1])) if isinstance(states, dict) else None
+            if state is None and states is not None:
+                return  # no unscale of this object yet: nothing to put back
+            if not isinstance(state, dict) or "stage" not in state:
+                # torch's private layout moved: say so, rather than let a retried step() be skipped unseen
+                warnings.warn(
+                    f"GradScaler's per-optimizer state is not as torch 2.13 keeps it (torch {torch.__version__}): "
+                    "a step() called again through this wrapper after the refusal may be skipped; call "
+                    "scaler.update() and take the next batch instead",
+                    stacklevel=2,
+                )
+            elif state["stage"] is OptState.UNSCALED:
                 state["stage"] = OptState.READY
 
     def stepped(self) -> None:

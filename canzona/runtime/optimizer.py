@@ -1054,6 +1054,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         try:
             self._check_hyper_parameters()
         except CanzonaError:
+            # an earlier check's updates (a kept refused step's, its batch since dropped) must not
+            # be committed at a later step() whose hyper-parameters read alike again
+            matrix_step.discard()
             return
         matrix_step.speculate(grad=landed, config=self._matrix_config, scale=self._early_scale)
 
