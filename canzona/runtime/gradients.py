@@ -1201,8 +1201,19 @@ def _relayed(problem: str) -> str | None:
 
 
 def _clip_word(max_norm: float | None) -> float:
-    """The clip threshold as the checks carry it (0: no clipping in this call)."""
+    """The clip threshold as the checks carry it (0: no clipping in this call; a positive word:
+    clip_grad_norm_'s max_norm, a negative one: minus clip_grad_value_'s clip_value, NaN: a value
+    either refuses, which the ranks agree on before any of them raises: `clip_threshold_word`)."""
     return 0.0 if max_norm is None else float(max_norm)
+
+
+def clip_threshold_word(threshold: object, by_value: bool = False) -> float:
+    """The word a clip call passes to the step check for `threshold` (max_norm, or with `by_value`
+    clip_value): NaN where it is not a positive number, so that a bad value on one rank is the
+    check's one disagreement on every rank, not a raise there alone while the others wait."""
+    if not (isinstance(threshold, (int, float)) and not isinstance(threshold, bool) and threshold > 0):
+        return math.nan
+    return -float(threshold) if by_value else float(threshold)
 
 
 def _all_same(values: Tensor) -> bool:
@@ -1228,9 +1239,17 @@ def _recheck_error(table: Tensor, comm: Comm, digest: int, member: str) -> str |
 
 
 def _clip_disagreement(clips: Tensor, me: int, member: str) -> str:
-    shown = ", ".join("none" if float(c) == 0 else f"{float(c):g}" for c in clips)
-    return (f"{member}s disagree on the clip threshold (max_norm per {member}: {shown}; {member} {me} is this one): "
+    shown = ", ".join(_clip_shown(float(c)) for c in clips)
+    return (f"{member}s disagree on the clip threshold (per {member}: {shown}; {member} {me} is this one): "
             "every rank must clip alike, or the replicas drift apart")
+
+
+def _clip_shown(word: float) -> str:
+    if word == 0:
+        return "none"
+    if math.isnan(word):
+        return "not a positive number"
+    return f"max_norm={word:g}" if word > 0 else f"clip_value={-word:g}"
 
 
 def local_norm_term(segments: list[Tensor]) -> Tensor:

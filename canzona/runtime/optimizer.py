@@ -74,7 +74,13 @@ from canzona.runtime.expert_part import (
     expert_groups,
 )
 from canzona.runtime.grad_guard import handed_inverse_scale
-from canzona.runtime.gradients import GradientSync, StepCheck, combine_norm_terms, local_norm_term
+from canzona.runtime.gradients import (
+    GradientSync,
+    StepCheck,
+    clip_threshold_word,
+    combine_norm_terms,
+    local_norm_term,
+)
 from canzona.runtime.groups import (
     GroupConfigs,
     build_param_groups,
@@ -825,15 +831,18 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
         `torch.nn.utils.clip_grad_norm_` on the model cannot work here: `.grad` holds guards while
         the gradients are being reduced, and it raises (one line naming this method)."""
-        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
-            raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
         if norm_type not in (2.0, math.inf):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
         if any(not grads.syncing for grads in self._syncs()):
             raise CanzonaError("clip_grad_norm_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): clip once, after that backward (under accelerate: "
                                "`if accelerator.sync_gradients:`)")
-        check = self._prepare_step(float(max_norm))
+        # the threshold goes through the step check's agreement first: a bad one on one rank alone
+        # is a disagreement there on every rank, one the ranks agree on is refused below on each
+        word = clip_threshold_word(max_norm)
+        check = self._prepare_step(word)
+        if math.isnan(word):
+            raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
         if norm_type == math.inf:
             total = self._inf_norm()
         else:
@@ -858,13 +867,17 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
         `torch.nn.utils.clip_grad_value_` on the model cannot work here: `.grad` holds guards while
         the gradients are being reduced; its clamp is refused at step() naming this method."""
-        if not (isinstance(clip_value, (int, float)) and not isinstance(clip_value, bool) and clip_value > 0):
-            raise SpecError(f"clip_value must be a positive number, got {clip_value!r}")
         if any(not grads.syncing for grads in self._syncs()):
             raise CanzonaError("clip_grad_value_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): clip once, after that backward (under accelerate: "
                                "`if accelerator.sync_gradients:`)")
-        check = self._prepare_step()
+        # agreed by the step check (beside max_norm, as minus clip_value) before anything below
+        # branches on it: inf on one rank and 0.01 on another would issue the norm's all-gather on
+        # one only, 0.01 and 0.02 clamp the shards apart
+        word = clip_threshold_word(clip_value, by_value=True)
+        check = self._prepare_step(word)
+        if math.isnan(word):
+            raise SpecError(f"clip_value must be a positive number, got {clip_value!r}")
         if math.isfinite(check.norm) and math.isfinite(clip_value):
             value = float(clip_value)
             for part in self._parts():  # updates or gathers computed early from the unclamped gradients

@@ -774,12 +774,22 @@ def second_optimizer_job(rank: int, world: int) -> dict:
     return {"kept": kept["kept"], "exact": compare(dropped["params"], waited["params"])["bit_identical"]}
 
 
-def clip_disagreement_job(rank: int, world: int) -> dict:
+CLIP_DISAGREEMENTS = {  # per case: what rank 0 and the others call between backward and step()
+    "norm": (lambda o: o.clip_grad_norm_(1.0), lambda o: o.clip_grad_norm_(0.5)),
+    "value": (lambda o: o.clip_grad_value_(0.01), lambda o: o.clip_grad_value_(0.02)),
+    "value inf": (lambda o: o.clip_grad_value_(math.inf), lambda o: o.clip_grad_value_(0.01)),
+    "value bad": (lambda o: o.clip_grad_value_(-1.0), lambda o: o.clip_grad_value_(0.01)),
+    "norm nan": (lambda o: o.clip_grad_norm_(math.nan), lambda o: o.clip_grad_norm_(1.0)),
+    "norm or value": (lambda o: o.clip_grad_norm_(0.01), lambda o: o.clip_grad_value_(0.01)),
+}
+
+
+def clip_disagreement_job(rank: int, world: int, how: str = "norm") -> dict:
     model = build_model(BASE)
     opt = _optimizer(model)
     before = _params(model)
-    out = _outcome(lambda: _train(model, opt, _batches(rank, world)[:1],
-                                  lambda m, o: o.clip_grad_norm_(1.0 if rank == 0 else 0.5)))
+    clip = CLIP_DISAGREEMENTS[how][0 if rank == 0 else 1]
+    out = _outcome(lambda: _train(model, opt, _batches(rank, world)[:1], lambda m, o: clip(o)))
     out["unchanged"] = compare(_params(model), before)["bit_identical"]
     return out
 
@@ -1380,7 +1390,7 @@ JOBS = {
     **{f"retried {o}": ("retried_step_job", (o == "overlapped",)) for o in ("plain", "overlapped")},
     # the clip's check ran before the edit: step() must still see it (0.05 scales these gradients)
     **{f"retried {o} clipped": ("retried_step_job", (o == "overlapped", 0.05)) for o in ("plain", "overlapped")},
-    "clip disagreement": ("clip_disagreement_job", ()),
+    **{f"clip disagreement {how}": ("clip_disagreement_job", (how,)) for how in CLIP_DISAGREEMENTS},
     "max_grad_norm disagreement": ("max_grad_norm_disagreement_job", ()),
     "add_param_group": ("add_param_group_job", ()),
     "numpy lr": ("numpy_lr_job", ()),
@@ -1848,9 +1858,15 @@ def test_a_step_called_again_after_its_check_refused_it_steps_those_gradients_on
 # --- agreement ----------------------------------------------------------------------------------
 
 
-def test_ranks_clipping_by_different_thresholds_fail_before_any_update(runs):
-    for out in runs["clip disagreement"]:
+@pytest.mark.parametrize("how", list(CLIP_DISAGREEMENTS))
+def test_ranks_clipping_by_different_thresholds_fail_before_any_update(runs, how):
+    # clip_grad_value_ too: 0.01 vs 0.02 would clamp each shard apart, inf vs 0.01 (no clamp, so no
+    # collective, on one rank) would hang; a bad value on one rank alone is the same one error
+    outs = runs[f"clip disagreement {how}"]
+    for out in outs:
         assert out["canzona"] and "disagree on the clip threshold" in out["message"] and out["unchanged"], out
+        assert "\n" not in out["message"], out
+    assert len({out["message"].split("; rank ")[0] for out in outs}) == 1, outs
 
 
 def test_a_second_optimizer_on_a_model_another_holds_is_one_error_and_takes_over_once_it_is_dropped(runs):
@@ -2601,6 +2617,22 @@ def test_opt_clip_grad_value_steps_as_torch_clip_grad_value_and_adamw(one_rank):
         opt.clip_grad_value_(0.02)
         scaler.step(opt)
         scaler.update()
+
+
+@pytest.mark.parametrize("call", ["clip_grad_value_", "clip_grad_norm_"])
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, "0.1"])
+def test_a_bad_clip_threshold_agreed_on_every_rank_is_one_spec_error_nothing_updated(one_rank, call, bad):
+    """A threshold that is not a positive number goes through the step check's agreement (a bad one
+    on one rank alone is its disagreement: the 'clip disagreement value bad' run), then is refused
+    on every rank; step() was not run, so nothing is updated (before: raised before the check, on
+    the bad rank alone, its peers left waiting in the check's collective)."""
+    model, opt = _branchy_adamw()
+    before = _params(model)
+    opt.zero_grad()
+    _branchy_loss(model, 0).backward()
+    with pytest.raises(SpecError, match=r"must be a positive number"):
+        getattr(opt, call)(bad)
+    assert compare(_params(model), before)["bit_identical"]
 
 
 @pytest.mark.parametrize("zero", list(RECOVERIES))
