@@ -888,7 +888,8 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             before = self.grads.checked
             self.grads.checked = replace(before, norm=self._two_norm())
             self._amp.rescaled(before, self.grads.checked)
-        self._amp.clipped = self.grads.checked
+        if math.isfinite(clip_value):  # inf clamps nothing: GradScaler's unscale may follow, as after max_norm=inf
+            self._amp.clipped = self.grads.checked
 
     def _two_norm(self) -> float:
         """The global 2-norm of the reduced gradients as they are now, as the step check sums it (each

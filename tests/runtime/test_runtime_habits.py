@@ -2619,6 +2619,25 @@ def test_opt_clip_grad_value_steps_as_torch_clip_grad_value_and_adamw(one_rank):
         scaler.update()
 
 
+def test_clip_grad_value_inf_before_grad_scaler_unscale_is_no_clip(one_rank):
+    """opt.clip_grad_value_(inf) clamps nothing, as clip_grad_norm_(inf) only measures: an unscale_
+    after it is not the clip-then-unscale mistake (before: refused with AMP_AFTER_CLIP). The step
+    is bit for bit one without the call."""
+    weights = []
+    for call in (True, False):
+        model, opt = _branchy_adamw()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        opt.zero_grad()
+        scaler.scale(_branchy_loss(model, 0)).backward()
+        if call:
+            opt.clip_grad_value_(math.inf)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        weights.append(_params(model))
+    assert compare(weights[0], weights[1])["bit_identical"]
+
+
 @pytest.mark.parametrize("call", ["clip_grad_value_", "clip_grad_norm_"])
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, "0.1"])
 def test_a_bad_clip_threshold_agreed_on_every_rank_is_one_spec_error_nothing_updated(one_rank, call, bad):
