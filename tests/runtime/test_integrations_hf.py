@@ -2378,6 +2378,7 @@ def test_accelerate_clip_grad_value_is_the_optimizers_and_steps_as_torch(one_ran
     accelerator = CanzonaAccelerator(cpu=True)
     model, opt = accelerator.prepare(model, opt)
     torch_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1)
+    clamped = []
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
@@ -2387,8 +2388,10 @@ def test_accelerate_clip_grad_value_is_the_optimizers_and_steps_as_torch(one_ran
         opt.step()
         torch_opt.zero_grad()
         nn.functional.mse_loss(reference(x), y).backward()
+        clamped.append(any(bool((p.grad.abs() > 0.01).any()) for p in reference.parameters()))
         torch.nn.utils.clip_grad_value_(reference.parameters(), 0.01)
         torch_opt.step()
+    assert all(clamped)  # the clamp was active in every step
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(model.parameters(), reference.parameters()))
     with pytest.raises(CanzonaError, match="^clip_grad_value_ got a subset"):
         accelerator.clip_grad_value_(list(model.parameters())[:2], 0.01)

@@ -2617,6 +2617,16 @@ def test_opt_clip_grad_value_steps_as_torch_clip_grad_value_and_adamw(one_rank):
         opt.clip_grad_value_(0.02)
         scaler.step(opt)
         scaler.update()
+        # torch's order on torch's optimizer (the refused step above updated neither model)
+        torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        torch_opt.zero_grad()
+        torch_scaler.scale(_branchy_loss(reference, 10)).backward()
+        torch_scaler.unscale_(torch_opt)
+        assert any(bool((p.grad.abs() > 0.02).any()) for p in reference.parameters() if p.grad is not None)
+        torch.nn.utils.clip_grad_value_(reference.parameters(), 0.02)
+        torch_scaler.step(torch_opt)
+        torch_scaler.update()
+        assert compare(_params(model), {n: p.detach() for n, p in reference.named_parameters()})["bit_identical"]
 
 
 def test_clip_grad_value_inf_before_grad_scaler_unscale_is_no_clip(one_rank):
