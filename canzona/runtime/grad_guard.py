@@ -84,9 +84,10 @@ _FOREACH_ZEROS = aten._foreach_zero_.default
 _AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
 # torch's loop unscales, then clips; the other order clipped the scaled gradients to max_norm / scale
 # (GradScaler.step alone, after a clip, is the same order): what either optimizer then raises
-AMP_AFTER_CLIP = ("GradScaler's unscale after clip_grad_norm_() or clip_grad_value_() in the same step: the clip "
-                  "measured and clipped the scaled gradients; call scaler.unscale_(opt) first, then "
-                  "opt.clip_grad_norm_(max_norm) (or opt.clip_grad_value_(clip_value)), then scaler.step(opt)")
+# (both optimizers raise it: the words name no method only one has, as the FSDP one's clip_grad_value_)
+AMP_AFTER_CLIP = ("GradScaler's unscale after a clip in the same step (clip_grad_norm_() or a clip by value): the "
+                  "clip measured and clipped the scaled gradients; call scaler.unscale_(opt) first, then the clip, "
+                  "then scaler.step(opt)")
 # GradScaler unscales the gradients of the object it was handed in one op per device and dtype: one
 # over canzona's optimizer's and others' (a user's wrapper of two optimizers) would unscale the
 # first one's alone, the others' left scaled and unchecked
