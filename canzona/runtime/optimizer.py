@@ -861,7 +861,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         torch.nn.utils.clip_grad_value_ clamps `.grad` under DDP (a clamp commutes with the sharding:
         each element is clamped where it is held). Collective, as clip_grad_norm_(): call it on every
         rank, after backward and before `step()`; it reduces and checks the step first. The norm a
-        clip_grad_norm_() after it measures is the clamped gradients' (one more small exchange);
+        clip_grad_norm_() after it measures is the clamped gradients' (one more small exchange, which
+        also tells whether any rank clamped an element: where none did, the step's early work, an
+        overlapped update or a prefetched gather, is kept);
         GradScaler's unscale must come before it, as before clip_grad_norm_(). A non-finite norm
         (nonfinite='skip', GradScaler's inf) is left to the step, unclamped.
 
@@ -880,26 +882,38 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             raise SpecError(f"clip_value must be a positive number, got {clip_value!r}")
         if math.isfinite(check.norm) and math.isfinite(clip_value):
             value = float(clip_value)
-            for part in self._parts():  # updates or gathers computed early from the unclamped gradients
-                part.matrix_step.discard()
+            over: Tensor | None = None  # on the device: read once, inside the norm's all-gather
             for grads in self._syncs():
                 for buf in grads.all_buffers():
+                    # a clamp that changes nothing is a no-op: only whether any rank changed one
+                    # decides below whether the early work is dropped and the norm is the new one
+                    here = (buf.reduced.abs() > value).any()
+                    over = here if over is None else over | here.to(over.device)
                     buf.reduced.clamp_(-value, value)
-            before = self.grads.checked
-            self.grads.checked = replace(before, norm=self._two_norm())
-            self._amp.rescaled(before, self.grads.checked)
+            norm, clamped = self._two_norm(over)
+            if clamped:
+                for part in self._parts():  # updates or gathers computed early from the unclamped gradients
+                    part.matrix_step.discard()
+                before = self.grads.checked
+                self.grads.checked = replace(before, norm=norm)
+                self._amp.rescaled(before, self.grads.checked)
         if math.isfinite(clip_value):  # inf clamps nothing: GradScaler's unscale may follow, as after max_norm=inf
             self._amp.clipped = self.grads.checked
 
-    def _two_norm(self) -> float:
+    def _two_norm(self, flag: Tensor | None = None) -> tuple[float, bool]:
         """The global 2-norm of the reduced gradients as they are now, as the step check sums it (each
-        rank's sum of squares in fp64, summed over DP, then TP): one more small all-gather each."""
+        rank's sum of squares in fp64, summed over DP, then TP): one more small all-gather each,
+        which also carries `flag` (a bool scalar); returns whether any rank of the cluster set it."""
         segments = [s for grads in self._syncs() for s in grads.norm_segments()]
-        term = local_norm_term(segments).reshape(1)
-        total = combine_norm_terms(self.comm.all_gather_values(term, "gradient norm")[:, 0])
+        term = local_norm_term(segments)
+        raised = torch.zeros((), dtype=torch.float64) if flag is None else flag.to(torch.float64)
+        row = torch.stack([term, raised.to(term.device)])
+        table = self.comm.all_gather_values(row, "gradient norm")
+        total, raised = combine_norm_terms(table[:, 0]), table[:, 1].amax()
         if self.tp_comm is not None:
-            total = combine_norm_terms(self.tp_comm.all_gather_values(total.reshape(1), "gradient norm")[:, 0])
-        return math.sqrt(float(total))
+            table = self.tp_comm.all_gather_values(torch.stack([total, raised]), "gradient norm")
+            total, raised = combine_norm_terms(table[:, 0]), table[:, 1].amax()
+        return math.sqrt(float(total)), bool(raised)
 
     def _clip(self, max_norm: float, norm: float) -> None:
         """Scale the reduced gradients by `max_norm / norm` when that is below 1 (torch's rule), and

@@ -2648,6 +2648,31 @@ def test_clip_grad_value_inf_before_grad_scaler_unscale_is_no_clip(one_rank):
     assert compare(weights[0], weights[1])["bit_identical"]
 
 
+def test_clip_grad_value_that_clamps_nothing_keeps_the_early_work(one_rank, monkeypatch):
+    """The early work of the step (overlap_step's updates, prefetched gathers) is dropped only when
+    some rank had an element over clip_value (a flag in the norm's all-gather): a clamp that changes
+    nothing keeps it and the check's norm, and steps bit for bit as no call (before: dropped
+    whenever the norm was finite)."""
+    from canzona.runtime.executor import MatrixStep
+
+    dropped = []
+    discard = MatrixStep.discard
+    monkeypatch.setattr(MatrixStep, "discard", lambda self: (dropped.append(1), discard(self))[1])
+    weights = []
+    for value in (1e9, None, 1e-4):
+        model, opt = _branchy_adamw()
+        opt.zero_grad()
+        _branchy_loss(model, 0).backward()
+        if value is not None:
+            dropped.clear()
+            opt.clip_grad_value_(value)
+            assert bool(dropped) == (value < 1), value
+        opt.step()
+        weights.append(_params(model))
+    assert compare(weights[0], weights[1])["bit_identical"]
+    assert not compare(weights[2], weights[1])["bit_identical"]
+
+
 @pytest.mark.parametrize("call", ["clip_grad_value_", "clip_grad_norm_"])
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, "0.1"])
 def test_a_bad_clip_threshold_agreed_on_every_rank_is_one_spec_error_nothing_updated(one_rank, call, bad):
