@@ -841,8 +841,10 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         # is a disagreement there on every rank, one the ranks agree on is refused below on each
         word = clip_threshold_word(max_norm)
         check = self._prepare_step(word)
-        if math.isnan(word):
-            raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
+        if math.isnan(word):  # refused alike on every rank after the check: the step kept, as _step keeps one
+            error = SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
+            self._keep(error)
+            raise error
         if norm_type == math.inf:
             total = self._inf_norm()
         else:
@@ -879,7 +881,9 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
         word = clip_threshold_word(clip_value, by_value=True)
         check = self._prepare_step(word)
         if math.isnan(word):
-            raise SpecError(f"clip_value must be a positive number, got {clip_value!r}")
+            error = SpecError(f"clip_value must be a positive number, got {clip_value!r}")
+            self._keep(error)
+            raise error
         if math.isfinite(check.norm) and math.isfinite(clip_value):
             value = float(clip_value)
             over: Tensor | None = None  # on the device: read once, inside the norm's all-gather

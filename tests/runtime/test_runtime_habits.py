@@ -3390,6 +3390,26 @@ def test_a_step_refused_for_its_learning_rate_is_kept_and_model_zero_grad_ends_i
     assert compare(_params(model), _params(reference))["bit_identical"]
 
 
+@pytest.mark.parametrize("clip", ["clip_grad_norm_(0)", "clip_grad_value_(-1)"])
+def test_a_bad_clip_threshold_keeps_the_step_and_model_zero_grad_ends_it(one_rank, clip):
+    """A threshold every rank passes alike and the check then refuses (SpecError after the agreement)
+    keeps the step, as a refused rate does: model.zero_grad(), the next batch's backward and step()
+    train as a run that skipped the batch, bit for bit. Before (review): the step was left unmarked,
+    so model.zero_grad() then a backward was DROPPED_MID_STEP."""
+    (model, opt), (reference, ropt) = _branchy_adamw(), _branchy_adamw()
+    for k in (0, 2):
+        _sound_step(reference, ropt, k)
+    _sound_step(model, opt, 0)
+    opt.zero_grad()
+    _branchy_loss(model, 1).backward()
+    with pytest.raises(SpecError):
+        opt.clip_grad_norm_(0) if clip.startswith("clip_grad_norm_") else opt.clip_grad_value_(-1)
+    model.zero_grad()
+    _branchy_loss(model, 2).backward()
+    opt.step()
+    assert compare(_params(model), _params(reference))["bit_identical"]
+
+
 def test_overlap_steps_early_updates_of_a_step_refused_for_its_rate_are_not_committed_later(one_rank):
     """overlap_step: the check before step() (a clip) computes the matrices' updates early with rate L;
     the rate made NaN, step() is refused and kept; model.zero_grad() drops the batch; the next batch's
