@@ -81,6 +81,7 @@ from canzona.runtime.gradients import (
     _clip_disagreement,
     _clip_word,
     _recheck_error,
+    clip_threshold_word,
     combine_norm_terms,
     digests_apart,
     local_norm_term,
@@ -748,11 +749,16 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         (torch's rule: by max_norm / (norm + 1e-6) when below 1); return the norm before clipping.
         Collective (runs the step check); call it after backward and before step(). `max_norm=inf`
         only measures."""
-        if not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm > 0):
-            raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
         if norm_type not in (2.0, math.inf):
             raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
-        total = self._clip(float(max_norm), norm_type)
+        # the threshold goes through the step check's agreement first (a bad one on one rank alone is
+        # a disagreement there on every rank, not a raise on that rank while its peers wait in the
+        # check); one the ranks agree on is refused after it, alike on every rank, nothing scaled
+        word = clip_threshold_word(max_norm)
+        if math.isnan(word):
+            self.check(word)
+            raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
+        total = self._clip(word, norm_type)
         if math.isfinite(max_norm):  # a clip, not a measure: GradScaler's unscale must come before it
             self._amp.clipped = self.checked
         return total

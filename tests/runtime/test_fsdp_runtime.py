@@ -488,6 +488,9 @@ SMALL_CASES = {
     "drop": {"steps": 3, "drop": 1, "timeout_s": 60.0},
     "clip-disagree": {"steps": 2, "clips": {0: 0.05, 1: 0.1, 2: 0.05}},
     "clip-on-one": {"steps": 2, "clips": {0: 0.05}},
+    # a bad max_norm on one rank alone, then on every rank: refused after the check, on every rank
+    "clip-bad-on-one": {"steps": 2, "clips": {0: 0.0, 1: 1.0, 2: 1.0}},
+    "clip-bad-everywhere": {"steps": 2, "clips": {0: -1.0, 1: -1.0, 2: -1.0}},
     "local-problem": {"steps": 2, "plain_grad": 1},
     "assign": {"steps": 3, "assign": 1},
     "replace": {"steps": 3, "replace": 1},
@@ -1274,6 +1277,20 @@ def test_fsdp_clip_threshold_agreement(case: str) -> None:
     """Ranks that clip by different thresholds (or only some of them) fail the step check, all of them."""
     results = _small()[case]
     assert all(r["error"] is not None and "disagree on the clip threshold" in r["error"] for r in results)
+    assert all(len(r["grads"]) == 0 for r in results)  # at the first step, nothing updated
+
+
+@pytest.mark.parametrize("case,message", [
+    ("clip-bad-on-one", "disagree on the clip threshold (per rank: not a positive number, max_norm=1"),
+    ("clip-bad-everywhere", "max_norm must be a positive number (inf: measure only), got -1.0"),
+])
+def test_fsdp_a_bad_clip_threshold_fails_every_rank_after_the_check(case: str, message: str) -> None:
+    """max_norm=0 on one rank alone (or -1 on every rank) is one error on every rank, after the step
+    check, nothing updated. Before: the rank raised SpecError alone before the check while its peers
+    waited in the check's all-gather (a hang until the timeout)."""
+    results = _small()[case]
+    assert all(r["error"] is not None and message in r["error"] for r in results), [r["error"] for r in results]
+    assert all(r["took"] < 10.0 for r in results)
     assert all(len(r["grads"]) == 0 for r in results)  # at the first step, nothing updated
 
 
