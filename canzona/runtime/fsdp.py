@@ -749,15 +749,16 @@ class FsdpOptimizer(NotPickled, torch.optim.Optimizer):
         (torch's rule: by max_norm / (norm + 1e-6) when below 1); return the norm before clipping.
         Collective (runs the step check); call it after backward and before step(). `max_norm=inf`
         only measures."""
-        if norm_type not in (2.0, math.inf):
-            raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
         # the threshold goes through the step check's agreement first (a bad one on one rank alone is
         # a disagreement there on every rank, not a raise on that rank while its peers wait in the
         # check); one the ranks agree on is refused after it, alike on every rank, nothing scaled
-        word = clip_threshold_word(max_norm)
+        # (a bad norm_type too: the NaN word)
+        good_type = norm_type in (2.0, math.inf)
+        word = clip_threshold_word(max_norm) if good_type else math.nan
         if math.isnan(word):
             self.check(word)
-            raise SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
+            raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}" if not good_type else
+                            f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
         total = self._clip(word, norm_type)
         if math.isfinite(max_norm):  # a clip, not a measure: GradScaler's unscale must come before it
             self._amp.clipped = self.checked

@@ -1248,7 +1248,7 @@ def _clip_shown(word: float) -> str:
     if word == 0:
         return "none"
     if math.isnan(word):
-        return "not a positive number"
+        return "a bad value (a threshold not a positive number, or norm_type not 2.0 or inf)"
     return f"max_norm={word:g}" if word > 0 else f"clip_value={-word:g}"
 
 

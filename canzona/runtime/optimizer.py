@@ -831,18 +831,19 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
         `torch.nn.utils.clip_grad_norm_` on the model cannot work here: `.grad` holds guards while
         the gradients are being reduced, and it raises (one line naming this method)."""
-        if norm_type not in (2.0, math.inf):
-            raise SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}")
         if any(not grads.syncing for grads in self._syncs()):
             raise CanzonaError("clip_grad_norm_ inside no_sync() (an accumulation micro-batch, whose gradients the "
                                "last micro-batch's backward reduces): clip once, after that backward (under accelerate: "
                                "`if accelerator.sync_gradients:`)")
         # the threshold goes through the step check's agreement first: a bad one on one rank alone
         # is a disagreement there on every rank, one the ranks agree on is refused below on each
-        word = clip_threshold_word(max_norm)
+        # (a bad norm_type too: the NaN word)
+        good_type = norm_type in (2.0, math.inf)
+        word = clip_threshold_word(max_norm) if good_type else math.nan
         check = self._prepare_step(word)
         if math.isnan(word):  # refused alike on every rank after the check: the step kept, as _step keeps one
-            error = SpecError(f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
+            error = SpecError(f"norm_type must be 2.0 or inf, got {norm_type!r}" if not good_type else
+                              f"max_norm must be a positive number (inf: measure only), got {max_norm!r}")
             self._keep(error)
             raise error
         if norm_type == math.inf:

@@ -1281,7 +1281,8 @@ def test_fsdp_clip_threshold_agreement(case: str) -> None:
 
 
 @pytest.mark.parametrize("case,message", [
-    ("clip-bad-on-one", "disagree on the clip threshold (per rank: not a positive number, max_norm=1"),
+    ("clip-bad-on-one", "disagree on the clip threshold (per rank: a bad value (a threshold not a positive number, or "
+                        "norm_type not 2.0 or inf), max_norm=1"),
     ("clip-bad-everywhere", "max_norm must be a positive number (inf: measure only), got -1.0"),
 ])
 def test_fsdp_a_bad_clip_threshold_fails_every_rank_after_the_check(case: str, message: str) -> None:

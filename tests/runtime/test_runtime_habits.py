@@ -781,6 +781,8 @@ CLIP_DISAGREEMENTS = {  # per case: what rank 0 and the others call between back
     "value bad": (lambda o: o.clip_grad_value_(-1.0), lambda o: o.clip_grad_value_(0.01)),
     "norm nan": (lambda o: o.clip_grad_norm_(math.nan), lambda o: o.clip_grad_norm_(1.0)),
     "norm or value": (lambda o: o.clip_grad_norm_(0.01), lambda o: o.clip_grad_value_(0.01)),
+    # a bad norm_type on one rank alone: before, SpecError there alone while the others waited in the check
+    "norm type bad": (lambda o: o.clip_grad_norm_(1.0, norm_type=1.0), lambda o: o.clip_grad_norm_(1.0)),
 }
 
 
