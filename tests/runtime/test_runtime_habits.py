@@ -2675,6 +2675,33 @@ def test_clip_grad_value_that_clamps_nothing_keeps_the_early_work(one_rank, monk
     assert not compare(weights[2], weights[1])["bit_identical"]
 
 
+def test_clip_grad_value_that_clamps_nothing_keeps_overlap_steps_matrix_updates(one_rank):
+    """The same under Muon with overlap_step, where there is early work to keep: a clamp that
+    changes nothing commits the matrices' updates computed at the check (`overlapped_steps` counts
+    them) and steps bit for bit as no call; one that clamps drops them and runs the plain step."""
+    from canzona.runtime import DistributedOptimizer
+    from canzona.runtime.modules import named_parameters
+    from canzona.spec import ModelSpec
+
+    weights, overlapped = [], []
+    for value in (1e9, None, 1e-4):
+        torch.manual_seed(0)
+        model = _Branchy()
+        opt = DistributedOptimizer(list(named_parameters(model)), ModelSpec.from_module(model), "muon",
+                                   overlap_step=True)
+        for k in (0, 1):
+            opt.zero_grad()
+            _branchy_loss(model, k).backward()
+            if value is not None:
+                opt.clip_grad_value_(value)
+            opt.step()
+        weights.append(_params(model))
+        overlapped.append(opt.overlapped_steps)
+    assert compare(weights[0], weights[1])["bit_identical"]
+    assert overlapped[0] == overlapped[1] > 0 and overlapped[2] == 0, overlapped
+    assert not compare(weights[2], weights[1])["bit_identical"]
+
+
 @pytest.mark.parametrize("call", ["clip_grad_value_", "clip_grad_norm_"])
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, "0.1"])
 def test_a_bad_clip_threshold_agreed_on_every_rank_is_one_spec_error_nothing_updated(one_rank, call, bad):
