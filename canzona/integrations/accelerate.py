@@ -773,6 +773,15 @@ def _outside_frame() -> int:
     return outside_level(2)
 
 
+def _as_number(value: Any) -> Any:
+    """A clip threshold as a float where it reads as one (a 0-dim tensor, a NumPy scalar, as torch's
+    clips take them); anything else as given, for the optimizer's step check to refuse on every rank
+    alike (a `float(None)` here raised on the one rank given it, its peers left in the check)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return value
+
 def parameter_list(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
     return [parameters] if isinstance(parameters, Tensor) else list(parameters)
 
@@ -949,7 +958,7 @@ class CanzonaAccelerator(Accelerator):
         opt = self._clipped_optimizer(params)
         if opt is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
-        return opt.clip_grad_norm_(float(max_norm), float(norm_type))
+        return opt.clip_grad_norm_(_as_number(max_norm), _as_number(norm_type))
 
     def _clipped_optimizer(self, params: list[Tensor], what: str = "clip_grad_norm_") -> DistributedOptimizer | None:
         """The canzona optimizer holding exactly the trainable ones of `params`, or None if none
@@ -981,7 +990,7 @@ class CanzonaAccelerator(Accelerator):
         opt = self._clipped_optimizer(params, "clip_grad_value_")
         if opt is None:
             return super().clip_grad_value_(params, clip_value)
-        return opt.clip_grad_value_(float(clip_value))
+        return opt.clip_grad_value_(_as_number(clip_value))
 
     # --- checkpoints -------------------------------------------------------------------------
 

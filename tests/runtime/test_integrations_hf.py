@@ -2359,6 +2359,31 @@ def test_the_logged_adamw_keys_are_those_of_the_initial_rates_after_a_resume(tmp
         assert [k for k, _ in trainer._adamw_keys()] == straight, (given, kind)
 
 
+@pytest.mark.parametrize("call", ["clip_grad_norm_", "clip_grad_value_"])
+def test_accelerate_clip_given_no_number_is_the_optimizers_one_spec_error(one_rank, call):
+    """`accelerator.clip_grad_norm_(params, None)` (a config value left unset on one rank): the
+    optimizer's step check refuses it, on every rank alike, as a SpecError naming the threshold;
+    nothing updated. Before: `float(None)` raised a TypeError on that rank alone, before the check
+    its peers waited in. A 0-dim tensor threshold is taken as its number, as torch's clips take it."""
+    from canzona.errors import SpecError
+    from canzona.integrations.accelerate import CanzonaAccelerator
+    from canzona.runtime import DistributedOptimizer
+    from canzona.spec import ModelSpec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = DistributedOptimizer(named_parameters(model), ModelSpec.from_module(model), "adamw")
+    accelerator = CanzonaAccelerator(cpu=True)
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.backward(model(torch.ones(2, 8)).sum())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(SpecError, match="must be a positive number"):
+        getattr(accelerator, call)(model.parameters(), None)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    getattr(accelerator, call)(model.parameters(), torch.tensor(1.0))
+    opt.step()
+
+
 def test_accelerate_clip_grad_value_is_the_optimizers_and_steps_as_torch(one_rank):
     """`CanzonaAccelerator.clip_grad_value_(model.parameters(), v)` is `opt.clip_grad_value_(v)`: the
     weights bit for bit torch's AdamW after torch.nn.utils.clip_grad_value_ (one rank: the gradient
