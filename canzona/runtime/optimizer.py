@@ -831,10 +831,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
         `torch.nn.utils.clip_grad_norm_` on the model cannot work here: `.grad` holds guards while
         the gradients are being reduced, and it raises (one line naming this method)."""
-        if any(not grads.syncing for grads in self._syncs()):
-            raise CanzonaError("clip_grad_norm_ inside no_sync() (an accumulation micro-batch, whose gradients the "
-                               "last micro-batch's backward reduces): clip once, after that backward (under accelerate: "
-                               "`if accelerator.sync_gradients:`)")
+        self._refuse_clip_inside_no_sync("clip_grad_norm_")
         # the threshold goes through the step check's agreement first: a bad one on one rank alone
         # is a disagreement there on every rank, one the ranks agree on is refused below on each
         # (a bad norm_type too: the NaN word)
@@ -856,6 +853,14 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
             self._amp.clipped = self.grads.checked
         return torch.tensor(total, dtype=torch.float32)
 
+    def _refuse_clip_inside_no_sync(self, what: str) -> None:
+        """A clip (`what`) between the micro-batches of an accumulation: their gradients are the last
+        micro-batch's backward's to reduce, so nothing could be clipped yet."""
+        if any(not grads.syncing for grads in self._syncs()):
+            raise CanzonaError(f"{what} inside no_sync() (an accumulation micro-batch, whose gradients the "
+                               "last micro-batch's backward reduces): clip once, after that backward (under accelerate: "
+                               "`if accelerator.sync_gradients:`)")
+
     @eager_only
     @torch.no_grad()
     @autocast_off()
@@ -872,10 +877,7 @@ class DistributedOptimizer(NotPickled, torch.optim.Optimizer):
 
         `torch.nn.utils.clip_grad_value_` on the model cannot work here: `.grad` holds guards while
         the gradients are being reduced; its clamp is refused at step() naming this method."""
-        if any(not grads.syncing for grads in self._syncs()):
-            raise CanzonaError("clip_grad_value_ inside no_sync() (an accumulation micro-batch, whose gradients the "
-                               "last micro-batch's backward reduces): clip once, after that backward (under accelerate: "
-                               "`if accelerator.sync_gradients:`)")
+        self._refuse_clip_inside_no_sync("clip_grad_value_")
         # agreed by the step check (beside max_norm, as minus clip_value) before anything below
         # branches on it: inf on one rank and 0.01 on another would issue the norm's all-gather on
         # one only, 0.01 and 0.02 clamp the shards apart
